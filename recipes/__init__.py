@@ -1,0 +1,3 @@
+"""Recipes built on pulsar-state's public API only (as kazoo's recipes are on kazoo's)."""
+
+__all__: list[str] = []

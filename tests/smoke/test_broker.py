@@ -1,0 +1,96 @@
+"""The broker is real and configured as the library needs.
+
+These talk to Pulsar directly with ``pulsar-client`` (not through the library): they check
+the broker behaviour that pulsar-state's guarantees stand on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pulsar
+import pulsar.asyncio as pulsar_asyncio
+import pytest
+
+from tests.support.broker import Broker, admin_request
+
+
+@pytest.fixture
+async def client(service_url: str) -> AsyncIterator[pulsar_asyncio.Client]:
+    client = pulsar_asyncio.Client(service_url, operation_timeout_seconds=15)
+    yield client
+    await client.close()
+
+
+async def exclusive(client: pulsar_asyncio.Client, topic: str, mode: object) -> object:
+    return await client.create_producer(topic, access_mode=mode, batching_enabled=False)
+
+
+async def test_second_exclusive_producer_is_refused(
+    client: pulsar_asyncio.Client, topic: str
+) -> None:
+    first = await exclusive(client, topic, pulsar.ProducerAccessMode.Exclusive)
+    with pytest.raises(pulsar_asyncio.PulsarException) as refused:
+        await exclusive(client, topic, pulsar.ProducerAccessMode.Exclusive)
+    assert refused.value.error() in (pulsar.Result.ProducerFenced, pulsar.Result.ProducerBusy)
+    await first.send(b"still the writer")  # type: ignore[attr-defined]
+
+
+async def test_fencing_producer_fences_the_old_one(
+    client: pulsar_asyncio.Client, topic: str
+) -> None:
+    old = await exclusive(client, topic, pulsar.ProducerAccessMode.Exclusive)
+    await old.send(b"before")  # type: ignore[attr-defined]
+    new = await exclusive(client, topic, pulsar.ProducerAccessMode.ExclusiveWithFencing)
+    with pytest.raises(pulsar_asyncio.PulsarException) as fenced:
+        await old.send(b"zombie")  # type: ignore[attr-defined]
+    assert fenced.value.error() in (pulsar.Result.ProducerFenced, pulsar.Result.AlreadyClosed)
+    await new.send(b"after")  # type: ignore[attr-defined]
+    reader = await client.create_reader(topic, pulsar.MessageId.earliest)
+    seen = [(await asyncio.wait_for(reader.read_next(), 10)).data() for _ in range(2)]
+    assert seen == [b"before", b"after"]
+    assert not await reader.has_message_available()
+
+
+async def test_reader_from_earliest_sees_whole_history(
+    client: pulsar_asyncio.Client, topic: str
+) -> None:
+    producer = await exclusive(client, topic, pulsar.ProducerAccessMode.Exclusive)
+    sent = [f"m{i}".encode() for i in range(200)]
+    await asyncio.gather(*(producer.send(m) for m in sent))  # type: ignore[attr-defined]
+    reader = await client.create_reader(topic, pulsar.MessageId.earliest)
+    got = [(await asyncio.wait_for(reader.read_next(), 10)).data() for _ in sent]
+    assert got == sent
+
+
+def test_broker_keeps_history(broker: Broker, topic: str) -> None:
+    """Infinite retention and no inactive-topic deletion, as scripts/broker-settings.env says."""
+    local = topic.split("/")[-1]
+    admin_request(broker.admin_url, "PUT", f"/admin/v2/persistent/public/default/{local}")
+    base = f"/admin/v2/persistent/public/default/{local}"
+    retention = admin_request(broker.admin_url, "GET", base + "/retention?applied=true")
+    assert retention == {"retentionTimeInMinutes": -1, "retentionSizeInMB": -1}
+    inactive = admin_request(broker.admin_url, "GET", base + "/inactiveTopicPolicies?applied=true")
+    assert inactive["deleteWhileInactive"] is False
+
+
+@pytest.mark.fault
+@pytest.mark.slow
+async def test_message_survives_broker_sigkill(broker: Broker, topic: str) -> None:
+    client = pulsar_asyncio.Client(broker.service_url, operation_timeout_seconds=30)
+    try:
+        producer = await exclusive(client, topic, pulsar.ProducerAccessMode.Exclusive)
+        await producer.send(b"durable")  # type: ignore[attr-defined]
+        await producer.close()  # type: ignore[attr-defined]
+    finally:
+        await client.close()
+    seconds = await asyncio.to_thread(broker.restart_after_kill)
+    print(f"broker ready {seconds:.1f}s after SIGKILL")
+    client = pulsar_asyncio.Client(broker.service_url, operation_timeout_seconds=30)
+    try:
+        reader = await client.create_reader(topic, pulsar.MessageId.earliest)
+        message = await asyncio.wait_for(reader.read_next(), 30)
+        assert message.data() == b"durable"
+    finally:
+        await client.close()
