@@ -1,0 +1,67 @@
+"""pulsar-state: one consistent, replicated state object shared through an Apache Pulsar topic.
+
+The public API is what this module exports; everything in ``pulsar_state._*`` is private.
+See the README for the model, the guarantees and the exception tree.
+"""
+
+from ._codecs import AvroCodec, BytesCodec, Codec, JsonCodec, StrCodec
+from ._errors import (
+    ApplyError,
+    BrokerError,
+    BrokerUnavailableError,
+    ClosedError,
+    CodecError,
+    ConfigurationError,
+    CorruptRecordError,
+    FencedError,
+    OperationTimeoutError,
+    PartitionedTopicError,
+    PulsarStateError,
+    RecordTooLargeError,
+    ReplicaHaltedError,
+    SchemaMismatchError,
+    TopicError,
+    UnsafeTopicPolicyError,
+    WriteOutcomeUnknownError,
+    WriterBusyError,
+)
+from ._manager import AppliedRecord, ManagerStats, ReplayProgress, SharedStateManager, WriteResult
+from ._pulsar import LogPosition
+from ._sync import BlockingPortal, SyncSharedStateManager
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApplyError",
+    "AppliedRecord",
+    "AvroCodec",
+    "BlockingPortal",
+    "BrokerError",
+    "BrokerUnavailableError",
+    "BytesCodec",
+    "ClosedError",
+    "Codec",
+    "CodecError",
+    "ConfigurationError",
+    "CorruptRecordError",
+    "FencedError",
+    "JsonCodec",
+    "LogPosition",
+    "ManagerStats",
+    "OperationTimeoutError",
+    "PartitionedTopicError",
+    "PulsarStateError",
+    "RecordTooLargeError",
+    "ReplayProgress",
+    "ReplicaHaltedError",
+    "SchemaMismatchError",
+    "SharedStateManager",
+    "StrCodec",
+    "SyncSharedStateManager",
+    "TopicError",
+    "UnsafeTopicPolicyError",
+    "WriteOutcomeUnknownError",
+    "WriteResult",
+    "WriterBusyError",
+    "__version__",
+]

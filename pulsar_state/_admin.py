@@ -1,0 +1,176 @@
+"""The few Pulsar admin REST calls the manager needs: the tail position and topic policies.
+
+Python Readers have no ``get_last_message_id`` and ``has_message_available`` has had
+correctness bugs, so the tail of the log is captured explicitly through the admin API's
+``lastMessageId``. The same API tells whether a topic is partitioned or would lose history.
+The standard library's HTTP client runs in a worker thread so the event loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import (
+    BrokerError,
+    BrokerUnavailableError,
+    ConfigurationError,
+    OperationTimeoutError,
+    PartitionedTopicError,
+    UnsafeTopicPolicyError,
+)
+from ._pulsar import LogPosition
+
+__all__ = ["AdminClient", "TopicName", "default_admin_url"]
+
+
+@dataclass(frozen=True, slots=True)
+class TopicName:
+    """A fully qualified topic name, ``persistent://tenant/namespace/local``."""
+
+    domain: str
+    tenant: str
+    namespace: str
+    local: str
+
+    @classmethod
+    def parse(cls, topic: str) -> TopicName:
+        if "://" in topic:
+            domain, _, rest = topic.partition("://")
+        else:
+            domain, rest = "persistent", topic
+        parts = rest.split("/")
+        if len(parts) == 1:
+            parts = ["public", "default", parts[0]]
+        if len(parts) != 3 or not all(parts):
+            raise ConfigurationError(
+                f"invalid topic name {topic!r}: use 'name' or 'persistent://tenant/namespace/name'"
+            )
+        if domain != "persistent":
+            raise ConfigurationError(
+                f"topic {topic!r} is {domain}: replicated state needs a persistent topic"
+            )
+        return cls(domain, parts[0], parts[1], parts[2])
+
+    def __str__(self) -> str:
+        return f"{self.domain}://{self.tenant}/{self.namespace}/{self.local}"
+
+    @property
+    def rest_path(self) -> str:
+        local = urllib.parse.quote(self.local, safe="")
+        return f"/admin/v2/{self.domain}/{self.tenant}/{self.namespace}/{local}"
+
+
+def default_admin_url(service_url: str) -> str:
+    """The admin URL of a standalone broker or the compose file, derived from its service URL."""
+    parsed = urllib.parse.urlsplit(service_url.split(",")[0])
+    host = parsed.hostname or "127.0.0.1"
+    if parsed.scheme == "pulsar+ssl":
+        return f"https://{host}:8443"
+    return f"http://{host}:8080"
+
+
+class AdminClient:
+    """A minimal asynchronous client for Pulsar's admin REST API."""
+
+    def __init__(
+        self, admin_url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None
+    ) -> None:
+        self.admin_url = admin_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._headers = {"Accept": "application/json", **(headers or {})}
+
+    def _get_blocking(self, path: str) -> tuple[int, Any]:
+        request = urllib.request.Request(self.admin_url + path, headers=self._headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                body = response.read()
+                return response.status, json.loads(body) if body.strip() else None
+        except urllib.error.HTTPError as exc:
+            body = exc.read()
+            try:
+                detail = json.loads(body) if body.strip() else None
+            except ValueError:
+                detail = body.decode(errors="replace")
+            return exc.code, detail
+        except TimeoutError as exc:
+            raise OperationTimeoutError(f"admin GET {path} timed out") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise BrokerUnavailableError(
+                f"admin API at {self.admin_url} unreachable ({exc}); pass admin_url= if the "
+                "broker's web service is elsewhere"
+            ) from exc
+
+    async def get(self, path: str) -> tuple[int, Any]:
+        return await asyncio.to_thread(self._get_blocking, path)
+
+    async def get_ok(self, path: str) -> Any:
+        status, body = await self.get(path)
+        if status != 200:
+            raise BrokerError(f"admin GET {path} answered {status}: {body}", result=str(status))
+        return body
+
+    async def last_position(self, topic: TopicName) -> LogPosition | None:
+        """The position of the topic's last message, or None when the topic holds none."""
+        body = await self.get_ok(topic.rest_path + "/lastMessageId")
+        position = LogPosition(int(body["ledgerId"]), int(body["entryId"]))
+        if position.entry >= 0:
+            return position
+        # entryId -1: the current ledger is empty. The last message, if any, is the last entry
+        # of the newest earlier ledger that holds entries.
+        stats = await self.get_ok(topic.rest_path + "/internalStats")
+        earlier = [
+            ledger
+            for ledger in stats.get("ledgers", [])
+            if int(ledger.get("entries", 0)) > 0 and int(ledger["ledgerId"]) < position.ledger
+        ]
+        if not earlier:
+            return None
+        last = max(earlier, key=lambda ledger: int(ledger["ledgerId"]))
+        return LogPosition(int(last["ledgerId"]), int(last["entries"]) - 1)
+
+    async def backlog(self, topic: TopicName) -> tuple[int, int]:
+        """(messages, bytes) stored in the topic: for progress reports on long replays."""
+        stats = await self.get_ok(topic.rest_path + "/internalStats")
+        return int(stats.get("numberOfEntries", 0)), int(stats.get("totalSize", 0))
+
+    async def check_topic(self, topic: TopicName) -> None:
+        """Refuse a partitioned topic and one whose policies would lose history."""
+        status, body = await self.get(topic.rest_path + "/partitions")
+        if status == 200 and int((body or {}).get("partitions", 0)) > 0:
+            raise PartitionedTopicError(
+                f"{topic} is partitioned ({body['partitions']} partitions): replicated state "
+                "needs a non-partitioned topic, the only kind with one total order",
+                topic=str(topic),
+            )
+        retention = await self.get_ok(topic.rest_path + "/retention?applied=true") or {}
+        minutes = int(retention.get("retentionTimeInMinutes", 0))
+        size_mb = int(retention.get("retentionSizeInMB", 0))
+        if minutes != -1 or size_mb != -1:
+            raise UnsafeTopicPolicyError(
+                f"{topic} has retention time={minutes} min, size={size_mb} MB: readers hold no "
+                "data, so history would be trimmed. Set infinite retention, e.g. "
+                f"`pulsar-admin namespaces set-retention {topic.tenant}/{topic.namespace} "
+                "--time -1 --size -1`",
+                topic=str(topic),
+            )
+        threshold = await self.get_ok(topic.rest_path + "/compactionThreshold?applied=true")
+        if threshold not in (None, 0):
+            raise UnsafeTopicPolicyError(
+                f"{topic} has automatic compaction on (threshold {threshold} bytes): compaction "
+                "keeps one message per key and would drop history. Remove the compaction "
+                "threshold on the topic and its namespace",
+                topic=str(topic),
+            )
+        inactive = await self.get_ok(topic.rest_path + "/inactiveTopicPolicies?applied=true") or {}
+        if inactive.get("deleteWhileInactive"):
+            raise UnsafeTopicPolicyError(
+                f"{topic} is deleted when inactive ({inactive}): its history would be lost. Set "
+                "brokerDeleteInactiveTopicsEnabled=false or an inactive-topic policy that keeps it",
+                topic=str(topic),
+            )

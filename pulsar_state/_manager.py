@@ -1,0 +1,1032 @@
+"""SharedStateManager: one state object replicated through a Pulsar topic.
+
+How it works, in brief (the README has the long form):
+
+* **Log.** Every change is a *record* on one non-partitioned topic. A replica reads the topic
+  from the start with one reader task (the *pump*) and applies records strictly in log order.
+  State changes only there, never on the write path, so every op is applied exactly once.
+* **Write.** A writer takes the topic's exclusive producer, reads to the tail, runs the
+  generators of all waiting writes on a trial copy of the state (group commit), and appends
+  the records. The caller's future completes when the pump has applied the record, so the
+  local state already shows the write.
+* **Safety.** Each record names the count of accepted records and the last accepted record id
+  it was computed against. A replica accepts a record only if both match its own; otherwise
+  it ignores it, deterministically, everywhere. A fenced, stale or duplicated record can never
+  change the state; the writer whose record was ignored re-runs its generator and retries.
+* **Reads.** ``latest=False`` reads the local state. ``latest=True`` captures the tail position
+  at call time (admin ``lastMessageId``) and waits until the pump has passed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import heapq
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar, overload
+
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random
+
+from ._admin import AdminClient, TopicName, default_admin_url
+from ._codecs import Codec, JsonCodec
+from ._envelope import Record, Write, decode_record, encode_record, record_overhead, write_id
+from ._errors import (
+    ApplyError,
+    ClosedError,
+    CodecError,
+    ConfigurationError,
+    CorruptRecordError,
+    OperationTimeoutError,
+    PartitionedTopicError,
+    PulsarStateError,
+    RecordTooLargeError,
+    ReplicaHaltedError,
+    WriteOutcomeUnknownError,
+    WriterBusyError,
+)
+from ._pulsar import LogPosition, PulsarConnection, RawMessage, StateReader, StateWriter
+
+__all__ = [
+    "AppliedRecord",
+    "ManagerStats",
+    "ReplayProgress",
+    "SharedStateManager",
+    "WriteResult",
+]
+
+logger = logging.getLogger("pulsar_state")
+
+S = TypeVar("S")
+Op = TypeVar("Op")
+T = TypeVar("T")
+
+Generator = Callable[[S], Sequence[Op]]
+OnCorrupt = Literal["halt", "skip"]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult(Generic[T]):
+    """What a committed write returns.
+
+    ``value`` is the ``reader``'s result on the state right after this write's ops were
+    applied (from the attempt that committed). ``position`` is the number of records accepted
+    up to and including this write's record: pass it to ``wait_for`` on another replica to
+    read your own writes there.
+    """
+
+    value: T
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedRecord(Generic[Op]):
+    """A record as applied by the pump; handed to listeners (see ``add_listener``)."""
+
+    position: int
+    record_id: str
+    log_position: LogPosition
+    writes: list[list[Op]]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayProgress:
+    """Progress of the bootstrap replay (``on_progress`` callback and INFO logs)."""
+
+    records_read: int
+    bytes_read: int
+    records_total: int | None
+    bytes_total: int | None
+    elapsed_s: float
+    done: bool
+
+
+@dataclass(slots=True)
+class ManagerStats:
+    """Counters for monitoring. Read with ``manager.stats``."""
+
+    position: int = 0
+    records_read: int = 0
+    bytes_read: int = 0
+    records_rejected: int = 0
+    records_skipped: int = 0
+    records_sent: int = 0
+    writes_committed: int = 0
+    write_retries: int = 0
+    writer_acquisitions: int = 0
+
+
+@dataclass(eq=False)
+class _PendingWrite:
+    generator: Callable[[Any], Sequence[Any]]
+    reader: Callable[[Any], Any] | None
+    future: asyncio.Future[WriteResult[Any]]
+    deadline: float
+    write_seq: int
+    attempts: int = 0
+    queued: bool = True
+    # The record of the newest attempt; only its rejection triggers a retry.
+    latest_record: str | None = None
+    # Records carrying an attempt that may still land; empty means "certainly not applied".
+    outstanding: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _OutgoingRecord:
+    record: Record
+    payload: bytes
+    pending: list[_PendingWrite]
+
+
+class SharedStateManager(Generic[S, Op]):
+    """A state object of type ``S`` kept consistent across processes by a Pulsar topic.
+
+    Use it as an async context manager::
+
+        async with SharedStateManager(
+            "pulsar://127.0.0.1:6650", "my-state",
+            initial_state=dict, apply=apply_op, codec=JsonCodec(),
+        ) as manager:
+            await manager.write(lambda s: [{"set": "k", "to": 1}])
+            value = await manager.read(lambda s: s.get("k"), latest=True)
+
+    Args:
+        pulsar: a service URL (``pulsar://host:6650``; the manager owns its client) or an
+            existing ``pulsar.asyncio.Client`` (borrowed, not closed).
+        topic: a non-partitioned persistent topic, ``name`` or ``persistent://t/ns/name``.
+        initial_state: factory for the empty state.
+        apply: ``apply(state, op)`` mutates ``state`` in place (return None) or returns the new
+            state. It must be deterministic: every replica runs it on the same ops.
+        codec: encodes ops to bytes and back (default JSON).
+        copy_state: copies the state for the writer's trial run of generators and ops
+            (default ``copy.deepcopy``). Pass ``None`` when ``apply`` never mutates its input.
+        admin_url: the broker's admin REST URL (default derived from the service URL).
+        on_corrupt: ``"halt"`` (default) stops applying at a foreign or damaged message and
+            raises :class:`ReplicaHaltedError` from then on; ``"skip"`` logs, counts and skips.
+        check_topic: refuse partitioned topics and topics whose policies lose history.
+        idle_release_s: release the exclusive writer after this long without writes.
+        max_hold_s: release the writer after holding it this long while others may wait.
+        acquire_timeout_s: how long a write waits for the exclusive writer.
+        takeover_after_s: after waiting this long, take the writer over with fencing
+            (``ExclusiveWithFencing``). None (default) never fences another process.
+        write_timeout_s / read_timeout_s / open_timeout_s: default timeouts of those calls.
+        max_record_bytes: refuse a write larger than this before sending (default 1 MiB,
+            below the broker's 5 MB message limit).
+        max_writes_per_record: group-commit at most this many writes into one message.
+        max_writes_per_batch: at most this many writes per pipelined batch.
+        on_progress: called with :class:`ReplayProgress` during the bootstrap replay.
+        name: a label for logs and the writer id.
+        client_options: extra ``pulsar.Client`` options (authentication, TLS, ...).
+    """
+
+    def __init__(
+        self,
+        pulsar: Any,
+        topic: str,
+        *,
+        initial_state: Callable[[], S],
+        apply: Callable[[S, Op], S | None],
+        codec: Codec[Op] | None = None,
+        copy_state: Callable[[S], S] | None = copy.deepcopy,
+        admin_url: str | None = None,
+        on_corrupt: OnCorrupt = "halt",
+        check_topic: bool = True,
+        idle_release_s: float = 0.1,
+        max_hold_s: float = 1.0,
+        acquire_timeout_s: float = 30.0,
+        takeover_after_s: float | None = None,
+        write_timeout_s: float = 30.0,
+        read_timeout_s: float = 30.0,
+        open_timeout_s: float = 120.0,
+        max_record_bytes: int = 1024 * 1024,
+        max_writes_per_record: int = 256,
+        max_writes_per_batch: int = 1024,
+        on_progress: Callable[[ReplayProgress], None] | None = None,
+        name: str | None = None,
+        client_options: dict[str, Any] | None = None,
+    ) -> None:
+        if on_corrupt not in ("halt", "skip"):
+            raise ConfigurationError(f"on_corrupt must be 'halt' or 'skip', not {on_corrupt!r}")
+        if max_writes_per_record < 1 or max_writes_per_batch < 1 or max_record_bytes < 1024:
+            raise ConfigurationError("max_writes_per_* must be >= 1 and max_record_bytes >= 1024")
+        self.topic = TopicName.parse(topic)
+        self._pulsar_arg = pulsar
+        self._initial_state = initial_state
+        self._apply = apply
+        self._codec: Codec[Op] = codec if codec is not None else JsonCodec()
+        self._copy_state = copy_state
+        if isinstance(pulsar, str):
+            service_url = pulsar
+        else:
+            service_url = getattr(pulsar, "service_url", "pulsar://127.0.0.1:6650")
+        self._admin = AdminClient(admin_url or default_admin_url(service_url))
+        self._on_corrupt: OnCorrupt = on_corrupt
+        self._check_topic = check_topic
+        self.idle_release_s = idle_release_s
+        self.max_hold_s = max_hold_s
+        self.acquire_timeout_s = acquire_timeout_s
+        self.takeover_after_s = takeover_after_s
+        self.write_timeout_s = write_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.open_timeout_s = open_timeout_s
+        self.max_record_bytes = max_record_bytes
+        self.max_writes_per_record = max_writes_per_record
+        self.max_writes_per_batch = max_writes_per_batch
+        self._on_progress = on_progress
+        self._client_options = client_options
+        self.writer_id = f"{name + '-' if name else ''}{uuid.uuid4().hex[:12]}"
+
+        self._state: S = initial_state()
+        self._position = 0
+        self._last_record_id = ""
+        self._read_position: LogPosition | None = None
+        self._halt: PulsarStateError | None = None
+        self.stats = ManagerStats()
+
+        self._conn: PulsarConnection | None = None
+        self._owns_conn = False
+        self._reader: StateReader | None = None
+        self._producer: StateWriter | None = None
+        self._producer_since = 0.0
+        self._pump_task: asyncio.Task[None] | None = None
+        self._writer_task: asyncio.Task[None] | None = None
+        self._opened = False
+        self._closed = False
+
+        self._tiebreak = itertools.count()
+        self._log_waiters: list[tuple[LogPosition, int, asyncio.Future[None]]] = []
+        self._position_waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._listeners: list[Callable[[AppliedRecord[Op]], None]] = []
+
+        self._queue: deque[_PendingWrite] = deque()
+        self._wake: asyncio.Event | None = None
+        self._in_flight: dict[str, list[_PendingWrite]] = {}
+        self._write_seq = itertools.count(1)
+        self._record_seq = itertools.count(1)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> SharedStateManager[S, Op]:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def open(self, *, timeout: float | None = None) -> None:
+        """Connect, check the topic, and replay it up to the tail captured now."""
+        if self._opened:
+            raise ConfigurationError("the manager is already open")
+        self._opened = True
+        timeout = self.open_timeout_s if timeout is None else timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await self._open()
+        except TimeoutError as exc:
+            await self.aclose()
+            raise OperationTimeoutError(
+                f"opening {self.topic} did not finish in {timeout}s "
+                f"({self.stats.records_read} records replayed)"
+            ) from exc
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _open(self) -> None:
+        self._wake = asyncio.Event()
+        if isinstance(self._pulsar_arg, str):
+            self._conn = PulsarConnection(
+                self._pulsar_arg,
+                operation_timeout_s=self.write_timeout_s,
+                client_options=self._client_options,
+            )
+            self._owns_conn = True
+        else:
+            self._conn = PulsarConnection.wrap(self._pulsar_arg)
+        topic = str(self.topic)
+        partitions = await self._conn.partitions(topic)
+        if len(partitions) > 1 or (partitions and partitions[0] != topic):
+            raise PartitionedTopicError(
+                f"{topic} is partitioned ({len(partitions)} partitions): replicated state needs "
+                "a non-partitioned topic, the only kind with one total order",
+                topic=topic,
+            )
+        # Creating the reader also creates the topic (auto-creation), so policies exist.
+        self._reader = await self._conn.create_reader(topic, name=f"pulsar-state-{self.writer_id}")
+        if self._check_topic:
+            await self._admin.check_topic(self.topic)
+        self._pump_task = asyncio.create_task(self._pump(), name=f"pulsar-state-pump-{topic}")
+        await self._bootstrap()
+        self._writer_task = asyncio.create_task(
+            self._writer_loop(), name=f"pulsar-state-writer-{topic}"
+        )
+        logger.info(
+            "opened %s at position %d (%d records read)",
+            topic,
+            self._position,
+            self.stats.records_read,
+        )
+
+    async def _bootstrap(self) -> None:
+        tail = await self._admin.last_position(self.topic)
+        if tail is None or self._reached(tail):
+            self._report_progress(time.monotonic(), None, None, done=True)
+            return
+        records_total: int | None
+        bytes_total: int | None
+        try:
+            records_total, bytes_total = await self._admin.backlog(self.topic)
+        except PulsarStateError:
+            records_total = bytes_total = None
+        started = time.monotonic()
+        waiter = self._log_waiter(tail)
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=2.0)
+            if done:
+                waiter.result()
+                break
+            self._report_progress(started, records_total, bytes_total, done=False)
+        self._report_progress(started, records_total, bytes_total, done=True)
+
+    def _report_progress(
+        self, started: float, records_total: int | None, bytes_total: int | None, *, done: bool
+    ) -> None:
+        progress = ReplayProgress(
+            records_read=self.stats.records_read,
+            bytes_read=self.stats.bytes_read,
+            records_total=records_total,
+            bytes_total=bytes_total,
+            elapsed_s=time.monotonic() - started,
+            done=done,
+        )
+        if not done:
+            logger.info(
+                "replaying %s: %d/%s records, %.1f/%s MB, %.0fs",
+                self.topic,
+                progress.records_read,
+                records_total if records_total is not None else "?",
+                progress.bytes_read / 1e6,
+                f"{bytes_total / 1e6:.1f}" if bytes_total is not None else "?",
+                progress.elapsed_s,
+            )
+        if self._on_progress is not None:
+            try:
+                self._on_progress(progress)
+            except Exception:
+                logger.exception("on_progress callback raised")
+
+    async def aclose(self, *, timeout: float = 10.0) -> None:
+        """Stop: fail queued writes, release the writer at once, stop the reader."""
+        if self._closed:
+            return
+        self._closed = True
+        closed = ClosedError(f"manager on {self.topic} is closed")
+        for pending in list(self._queue):
+            if not pending.future.done():
+                pending.future.set_exception(closed)
+        self._queue.clear()
+        if self._wake is not None:
+            self._wake.set()
+        # Give writes already sent a moment to be seen, so their callers learn the outcome.
+        in_flight = [p.future for ps in self._in_flight.values() for p in ps if not p.future.done()]
+        if in_flight:
+            await asyncio.wait(in_flight, timeout=min(timeout, 5.0))
+        for task in (self._writer_task,):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        await self._release_writer()
+        if self._reader is not None:
+            await self._reader.close()
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._pump_task
+        for futures in self._in_flight.values():
+            for pending in futures:
+                if not pending.future.done():
+                    pending.future.set_exception(
+                        WriteOutcomeUnknownError(
+                            "the manager closed before this write's outcome was seen",
+                            write_id=write_id(self.writer_id, pending.write_seq),
+                        )
+                    )
+        self._in_flight.clear()
+        self._fail_waiters(closed)
+        if self._conn is not None and self._owns_conn:
+            await self._conn.close()
+        logger.debug("closed manager on %s", self.topic)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def position(self) -> int:
+        """How many records this replica has accepted (its state's version)."""
+        return self._position
+
+    @property
+    def halted(self) -> PulsarStateError | None:
+        """Why this replica stopped applying, or None."""
+        return self._halt
+
+    def add_listener(self, listener: Callable[[AppliedRecord[Op]], None]) -> Callable[[], None]:
+        """Call ``listener`` after each accepted record, in log order; returns an unsubscribe.
+
+        Listeners run on the event loop inside the pump: keep them short and non-blocking.
+        Registering and reading the state in the same synchronous step gives a consistent
+        snapshot followed by every later change.
+        """
+        self._listeners.append(listener)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                self._listeners.remove(listener)
+
+        return remove
+
+    async def read(
+        self, reader: Callable[[S], T], *, latest: bool = False, timeout: float | None = None
+    ) -> T:
+        """Run ``reader`` on the state and return its result.
+
+        ``latest=False`` reads the local state at once (no I/O). ``latest=True`` is
+        linearizable: it captures the tail of the log now and returns after applying up to it.
+        ``reader`` must not mutate the state or keep references that outlive the call.
+        """
+        self._check_usable()
+        if latest:
+            await self.sync(timeout=timeout)
+        return reader(self._state)
+
+    async def sync(self, *, timeout: float | None = None) -> int:
+        """Catch up with the tail of the log as of now; returns the position reached."""
+        self._check_usable()
+        timeout = self.read_timeout_s if timeout is None else timeout
+        try:
+            async with asyncio.timeout(timeout):
+                tail = await self._admin.last_position(self.topic)
+                await self._wait_log(tail)
+        except TimeoutError as exc:
+            raise OperationTimeoutError(
+                f"could not catch up with {self.topic} in {timeout}s"
+            ) from exc
+        return self._position
+
+    async def wait_for(self, position: int, *, timeout: float | None = None) -> None:
+        """Wait until this replica has accepted ``position`` records (read-your-writes)."""
+        self._check_usable()
+        if self._position >= position:
+            return
+        timeout = self.read_timeout_s if timeout is None else timeout
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._position_waiters, (position, next(self._tiebreak), future))
+        try:
+            await asyncio.wait_for(future, timeout)
+        except TimeoutError as exc:
+            raise OperationTimeoutError(
+                f"position {position} not reached in {timeout}s (at {self._position})"
+            ) from exc
+
+    @overload
+    async def write(
+        self, generator: Callable[[S], Sequence[Op]], *, timeout: float | None = None
+    ) -> WriteResult[None]: ...
+
+    @overload
+    async def write(
+        self,
+        generator: Callable[[S], Sequence[Op]],
+        *,
+        reader: Callable[[S], T],
+        timeout: float | None = None,
+    ) -> WriteResult[T]: ...
+
+    async def write(
+        self,
+        generator: Callable[[S], Sequence[Op]],
+        *,
+        reader: Callable[[S], Any] | None = None,
+        timeout: float | None = None,
+    ) -> WriteResult[Any]:
+        """Append the ops that ``generator`` computes from the up-to-date state, atomically.
+
+        ``generator(state)`` returns the ops to append; it runs on a trial copy of the state
+        at the tail of the log, while this process holds the exclusive writer, and may run
+        more than once (if another writer got in first). Each op is validated by applying it
+        to that trial copy before anything is sent. The ops of one write are applied together
+        by every replica, or not at all.
+
+        ``reader(state)`` runs on the state right after this write's ops were applied, and
+        its result is returned in :class:`WriteResult` (from the attempt that committed).
+
+        Raises the generator's own exception if it raises (nothing is appended);
+        :class:`ApplyError` if an op fails on the trial state; :class:`RecordTooLargeError`;
+        :class:`OperationTimeoutError` when nothing was appended in time;
+        :class:`WriteOutcomeUnknownError` when a record was sent but not seen in time.
+        """
+        self._check_usable()
+        assert self._wake is not None
+        timeout = self.write_timeout_s if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        pending = _PendingWrite(
+            generator=generator,
+            reader=reader,
+            future=loop.create_future(),
+            deadline=loop.time() + timeout,
+            write_seq=next(self._write_seq),
+        )
+        self._queue.append(pending)
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending.future), timeout)
+        except TimeoutError:
+            if not pending.future.done():
+                self._fail_timeout(pending)
+            return pending.future.result()
+
+    async def write_ops(
+        self, ops: Sequence[Op], *, timeout: float | None = None
+    ) -> WriteResult[None]:
+        """Append ``ops`` unconditionally (no generator), atomically."""
+        fixed = list(ops)
+        return await self.write(lambda _state: fixed, timeout=timeout)
+
+    # ------------------------------------------------------------------ the pump
+
+    async def _pump(self) -> None:
+        assert self._reader is not None
+        while not self._closed:
+            try:
+                message = await self._reader.read_next()
+            except asyncio.CancelledError:
+                raise
+            except PulsarStateError as exc:
+                if self._closed:
+                    return
+                # The client reconnects by itself; a failed read is retried after a pause.
+                logger.warning("reading %s failed (%s); retrying", self.topic, exc)
+                await asyncio.sleep(0.5)
+                continue
+            self._on_message(message)
+            if self._halt is not None:
+                return
+
+    def _on_message(self, message: RawMessage) -> None:
+        if self._read_position is not None and message.position <= self._read_position:
+            logger.debug("ignoring redelivered message %s", message.position)
+            return
+        self.stats.records_read += 1
+        self.stats.bytes_read += len(message.payload)
+        try:
+            record = decode_record(message.payload, message_id=str(message.position))
+            accepted = (
+                record.base_position == self._position
+                and record.base_record_id == self._last_record_id
+            )
+            decoded = self._decode_ops(record, message) if accepted else []
+        except CorruptRecordError as exc:
+            if self._on_corrupt == "skip":
+                self.stats.records_skipped += 1
+                logger.warning("skipping message on %s: %s", self.topic, exc)
+                self._advance_read(message.position)
+                return
+            self._halt_with(exc)
+            return
+        if accepted:
+            self._apply_record(record, decoded, message.position)
+        else:
+            self.stats.records_rejected += 1
+            logger.debug(
+                "ignoring stale record %s (based on %d/%r, replica at %d/%r)",
+                record.record_id,
+                record.base_position,
+                record.base_record_id,
+                self._position,
+                self._last_record_id,
+            )
+            self._settle_rejected(record.record_id)
+        self._advance_read(message.position)
+
+    def _decode_ops(self, record: Record, message: RawMessage) -> list[list[Op]]:
+        try:
+            return [[self._codec.decode(op) for op in w.ops] for w in record.writes]
+        except CodecError as exc:
+            raise CorruptRecordError(
+                f"message {message.position}: record {record.record_id} holds an op the codec "
+                f"cannot decode ({exc})",
+                message_id=str(message.position),
+            ) from exc
+
+    def _apply_record(self, record: Record, decoded: list[list[Op]], at: LogPosition) -> None:
+        own = self._in_flight.pop(record.record_id, None)
+        own_by_seq = {p.write_seq: p for p in own} if own else {}
+        state = self._state
+        results: list[tuple[_PendingWrite, Any, BaseException | None]] = []
+        try:
+            for write, ops in zip(record.writes, decoded, strict=True):
+                for op in ops:
+                    new_state = self._apply(state, op)
+                    if new_state is not None:
+                        state = new_state
+                pending = own_by_seq.get(write.write_seq)
+                if pending is not None:
+                    value: Any = None
+                    error: BaseException | None = None
+                    if pending.reader is not None:
+                        try:
+                            value = pending.reader(state)
+                        except Exception as exc:  # the caller's reader: its error, its write
+                            error = exc
+                    results.append((pending, value, error))
+        except Exception as exc:
+            # The writer validated these ops on an identical state, so apply is not
+            # deterministic. The state may hold part of this record: stop here, loudly.
+            self._state = state
+            self._halt_with(
+                ApplyError(
+                    f"apply raised on record {record.record_id} at message {at}: "
+                    f"{type(exc).__name__}: {exc}; apply must be deterministic"
+                ),
+                cause=exc,
+            )
+            return
+        self._state = state
+        self._position += 1
+        self._last_record_id = record.record_id
+        self.stats.position = self._position
+        for pending, value, error in results:
+            pending.outstanding.discard(record.record_id)
+            if pending.future.done():
+                continue
+            self.stats.writes_committed += 1
+            if error is not None:
+                pending.future.set_exception(error)
+            else:
+                pending.future.set_result(WriteResult(value, self._position))
+        if self._listeners:
+            applied = AppliedRecord(self._position, record.record_id, at, decoded)
+            for listener in list(self._listeners):
+                try:
+                    listener(applied)
+                except Exception:
+                    logger.exception("listener raised; it stays registered")
+        while self._position_waiters and self._position_waiters[0][0] <= self._position:
+            _, _, future = heapq.heappop(self._position_waiters)
+            if not future.done():
+                future.set_result(None)
+
+    def _settle_rejected(self, record_id: str) -> None:
+        pendings = self._in_flight.pop(record_id, None)
+        if not pendings:
+            return
+        retry = []
+        for pending in pendings:
+            if pending.latest_record != record_id:
+                # An older attempt; a newer one is in flight and decides.
+                pending.outstanding.discard(record_id)
+                continue
+            # The newest attempt was ignored, so the state had moved past the base that every
+            # attempt of this write was computed on: none of them can be accepted any more.
+            pending.outstanding.clear()
+            if not pending.future.done():
+                retry.append(pending)
+        self._requeue(retry)
+
+    def _requeue(self, retry: list[_PendingWrite]) -> None:
+        # Retried first, in their original order: they waited longest. A write is never in
+        # the queue twice, or its generator could run and commit twice in one batch.
+        retry = [p for p in retry if not p.queued and not p.future.done()]
+        for pending in retry:
+            pending.queued = True
+        self._queue.extendleft(reversed(retry))
+        self.stats.write_retries += len(retry)
+        if retry and self._wake is not None:
+            self._wake.set()
+
+    def _advance_read(self, position: LogPosition) -> None:
+        self._read_position = position
+        while self._log_waiters and self._log_waiters[0][0] <= position:
+            _, _, future = heapq.heappop(self._log_waiters)
+            if not future.done():
+                future.set_result(None)
+
+    def _halt_with(self, error: PulsarStateError, cause: BaseException | None = None) -> None:
+        if cause is not None:
+            error.__cause__ = cause
+        self._halt = error
+        logger.error("replica of %s halted at position %d: %s", self.topic, self._position, error)
+        halted = ReplicaHaltedError(
+            f"replica of {self.topic} stopped at position {self._position}: {error}",
+            position=self._position,
+        )
+        halted.__cause__ = error
+        self._fail_waiters(halted)
+        for pending in list(self._queue):
+            if not pending.future.done():
+                pending.future.set_exception(halted)
+        self._queue.clear()
+
+    def _fail_waiters(self, error: BaseException) -> None:
+        for _, _, future in self._log_waiters + self._position_waiters:
+            if not future.done():
+                future.set_exception(error)
+        self._log_waiters.clear()
+        self._position_waiters.clear()
+
+    def _reached(self, target: LogPosition | None) -> bool:
+        return target is None or (self._read_position is not None and self._read_position >= target)
+
+    def _log_waiter(self, target: LogPosition) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._reached(target):
+            future.set_result(None)
+        else:
+            heapq.heappush(self._log_waiters, (target, next(self._tiebreak), future))
+        return future
+
+    async def _wait_log(self, target: LogPosition | None) -> None:
+        if target is None or self._reached(target):
+            self._check_usable()
+            return
+        await self._log_waiter(target)
+
+    def _check_usable(self) -> None:
+        if self._halt is not None:
+            error = ReplicaHaltedError(
+                f"replica of {self.topic} stopped at position {self._position}: {self._halt}",
+                position=self._position,
+            )
+            raise error from self._halt
+        if self._closed:
+            raise ClosedError(f"manager on {self.topic} is closed")
+        if self._wake is None:
+            raise ClosedError(f"manager on {self.topic} is not open: use `async with` or open()")
+
+    # ------------------------------------------------------------------ the writer
+
+    async def _writer_loop(self) -> None:
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
+        while not self._closed and self._halt is None:
+            if not self._queue:
+                self._wake.clear()
+                if self._producer is None:
+                    await self._wake.wait()
+                    continue
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.idle_release_s)
+                except TimeoutError:
+                    await self._release_writer()
+                continue
+            self._expire(loop.time())
+            if not self._queue:
+                continue
+            if self._producer is not None and loop.time() - self._producer_since > self.max_hold_s:
+                # Let writers in other processes have a turn; they poll for the writer.
+                await self._release_writer()
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                if self._producer is None:
+                    await self._acquire_writer()
+                await self._write_batch()
+            except asyncio.CancelledError:
+                raise
+            except PulsarStateError as exc:
+                logger.info("writer on %s: %s; retrying", self.topic, exc)
+                await self._release_writer()
+                await asyncio.sleep(0.01)
+            except Exception:
+                logger.exception("writer loop on %s failed; retrying", self.topic)
+                await self._release_writer()
+                await asyncio.sleep(0.1)
+
+    def _expire(self, now: float) -> None:
+        kept: deque[_PendingWrite] = deque()
+        for pending in self._queue:
+            if not pending.future.done() and now >= pending.deadline:
+                self._fail_timeout(pending)
+            if pending.future.done():
+                pending.queued = False
+            else:
+                kept.append(pending)
+        self._queue = kept
+
+    def _fail_timeout(self, pending: _PendingWrite) -> None:
+        wid = write_id(self.writer_id, pending.write_seq)
+        if pending.outstanding:
+            pending.future.set_exception(
+                WriteOutcomeUnknownError(
+                    f"write {wid} was sent but its outcome was not seen before the timeout; "
+                    "it was applied once or not at all",
+                    write_id=wid,
+                )
+            )
+        else:
+            pending.future.set_exception(
+                OperationTimeoutError(f"write {wid} timed out; nothing was appended")
+            )
+
+    async def _acquire_writer(self) -> None:
+        assert self._conn is not None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        latest_deadline = max(p.deadline for p in self._queue)
+        budget = max(0.0, min(self.acquire_timeout_s, latest_deadline - started))
+        takeover = self.takeover_after_s
+        topic = str(self.topic)
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(WriterBusyError),
+                wait=wait_random(0.002, 0.03),
+                stop=stop_after_delay(budget),
+                reraise=True,
+            ):
+                with attempt:
+                    self._expire(loop.time())
+                    if not self._queue:
+                        return
+                    fencing = takeover is not None and loop.time() - started >= takeover
+                    if fencing:
+                        logger.warning("taking over the writer of %s with fencing", topic)
+                    self._producer = await self._conn.create_writer(
+                        topic,
+                        fencing=fencing,
+                        name=None,
+                        send_timeout_s=min(self.write_timeout_s, 30.0),
+                    )
+        except WriterBusyError:
+            waited = loop.time() - started
+            for pending in self._queue:
+                if pending.future.done():
+                    continue
+                if pending.outstanding:
+                    self._fail_timeout(pending)
+                else:
+                    pending.future.set_exception(
+                        WriterBusyError(
+                            f"another process held the writer of {topic} for {waited:.1f}s; "
+                            "nothing was appended"
+                        )
+                    )
+            self._expire(loop.time())
+            raise
+        self._producer_since = loop.time()
+        self.stats.writer_acquisitions += 1
+        logger.debug("acquired the writer of %s", topic)
+        # Exclusive from here on: catch up with everything appended before we got it.
+        await self._bounded(self._catch_up(), "catching up after acquiring the writer")
+
+    async def _catch_up(self) -> None:
+        await self._wait_log(await self._admin.last_position(self.topic))
+
+    async def _bounded(self, awaitable: Any, what: str) -> None:
+        try:
+            await asyncio.wait_for(awaitable, self.write_timeout_s)
+        except TimeoutError as exc:
+            raise OperationTimeoutError(
+                f"{what} on {self.topic} took over {self.write_timeout_s}s"
+            ) from exc
+
+    async def _release_writer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            await producer.close()
+            logger.debug("released the writer of %s", self.topic)
+
+    def _trial_state(self) -> S:
+        return self._copy_state(self._state) if self._copy_state is not None else self._state
+
+    def _build_records(self, batch: list[_PendingWrite]) -> list[_OutgoingRecord]:
+        """Run generators on a trial state, validate their ops, pack them into records."""
+        trial = self._trial_state()
+        accepted: list[tuple[_PendingWrite, list[Op], list[bytes]]] = []
+        for pending in batch:
+            if pending.future.done():
+                continue
+            try:
+                ops = list(pending.generator(trial))
+            except Exception as exc:  # the caller's generator: its exception, unchanged
+                pending.future.set_exception(exc)
+                continue
+            try:
+                encoded = [self._codec.encode(op) for op in ops]
+            except CodecError as exc:
+                pending.future.set_exception(exc)
+                continue
+            except Exception as exc:
+                pending.future.set_exception(CodecError(f"cannot encode op: {exc}"))
+                continue
+            size = sum(len(e) + 8 for e in encoded) + record_overhead(self.writer_id)
+            if size > self.max_record_bytes:
+                pending.future.set_exception(
+                    RecordTooLargeError(
+                        f"write of {size} bytes exceeds max_record_bytes={self.max_record_bytes}",
+                        size=size,
+                        limit=self.max_record_bytes,
+                    )
+                )
+                continue
+            try:
+                for op in ops:
+                    new_trial = self._apply(trial, op)
+                    if new_trial is not None:
+                        trial = new_trial
+            except Exception as exc:
+                error = ApplyError(f"apply raised on op {op!r}: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                pending.future.set_exception(error)
+                # The trial state may hold part of this write: rebuild it from the real one.
+                trial = self._trial_state()
+                for _, good_ops, _ in accepted:
+                    for good in good_ops:
+                        rebuilt = self._apply(trial, good)
+                        if rebuilt is not None:
+                            trial = rebuilt
+                continue
+            accepted.append((pending, ops, encoded))
+
+        records: list[_OutgoingRecord] = []
+        base_position, base_id = self._position, self._last_record_id
+        group: list[tuple[_PendingWrite, list[bytes]]] = []
+        group_size = record_overhead(self.writer_id)
+
+        def flush() -> None:
+            nonlocal base_position, base_id, group, group_size
+            if not group:
+                return
+            record = Record(
+                writer_id=self.writer_id,
+                record_seq=next(self._record_seq),
+                base_position=base_position,
+                base_record_id=base_id,
+                writes=[Write(p.write_seq, enc) for p, enc in group],
+            )
+            records.append(_OutgoingRecord(record, encode_record(record), [p for p, _ in group]))
+            base_position, base_id = base_position + 1, record.record_id
+            group, group_size = [], record_overhead(self.writer_id)
+
+        for pending, _ops, encoded in accepted:
+            size = sum(len(e) + 8 for e in encoded) + 16
+            if group and (
+                len(group) >= self.max_writes_per_record
+                or group_size + size > self.max_record_bytes
+            ):
+                flush()
+            group.append((pending, encoded))
+            group_size += size
+        flush()
+        return records
+
+    async def _write_batch(self) -> None:
+        producer = self._producer
+        assert producer is not None
+        batch = [
+            self._queue.popleft() for _ in range(min(len(self._queue), self.max_writes_per_batch))
+        ]
+        for pending in batch:
+            pending.queued = False
+        records = self._build_records(batch)
+        if not records:
+            return
+        for outgoing in records:
+            self._in_flight[outgoing.record.record_id] = outgoing.pending
+            for pending in outgoing.pending:
+                pending.attempts += 1
+                pending.latest_record = outgoing.record.record_id
+                pending.outstanding.add(outgoing.record.record_id)
+        # Pipelined: all sends are issued in order before any is awaited.
+        sends = [
+            asyncio.ensure_future(producer.send(o.payload, key=o.record.record_id)) for o in records
+        ]
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        self.stats.records_sent += len(records)
+        acked = [r for r in results if isinstance(r, LogPosition)]
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if acked:
+            # Every acked record is settled (accepted or ignored) once the pump passes it.
+            await self._bounded(self._wait_log(max(acked)), "reading back the records sent")
+        if failures:
+            # A failed send may still have been persisted: the records stay in flight and are
+            # settled by the pump if they ever appear. The writer re-acquires and catches up;
+            # writes whose records are not seen by then are retried by _requeue_unseen.
+            error = failures[0]
+            logger.info("send to %s failed: %s", self.topic, error)
+            await self._release_writer()
+            self._requeue_unseen(records)
+            if isinstance(error, PulsarStateError):
+                raise error
+            raise PulsarStateError(f"send failed: {error}") from error
+
+    def _requeue_unseen(self, records: list[_OutgoingRecord]) -> None:
+        # They keep their outstanding record ids: if one of those lands later and is accepted,
+        # the write completes from it and the retry's record is ignored as stale.
+        unseen = [p for o in records for p in o.pending if o.record.record_id in self._in_flight]
+        self._requeue(list(dict.fromkeys(unseen)))

@@ -1,0 +1,270 @@
+"""The only module that imports ``pulsar``: client, exclusive writer, log reader, error mapping.
+
+Everything Pulsar-specific the rest of the library needs is here, so that a client upgrade or
+a behaviour change (exception classes, defaults) is handled in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import pulsar
+import pulsar.asyncio as pulsar_asyncio
+import pulsar.exceptions as pulsar_exceptions
+
+from ._errors import (
+    BrokerError,
+    BrokerUnavailableError,
+    ClosedError,
+    FencedError,
+    OperationTimeoutError,
+    PulsarStateError,
+    RecordTooLargeError,
+    TopicError,
+    WriterBusyError,
+)
+
+__all__ = [
+    "LogPosition",
+    "PulsarConnection",
+    "RawMessage",
+    "StateReader",
+    "StateWriter",
+    "translate_errors",
+]
+
+logger = logging.getLogger("pulsar_state")
+
+# Results that mean "someone else holds the exclusive writer" when creating a producer.
+_HELD = {pulsar.Result.ProducerFenced, pulsar.Result.ProducerBusy}
+_UNAVAILABLE = {
+    pulsar.Result.ConnectError,
+    pulsar.Result.ServiceUnitNotReady,
+    pulsar.Result.LookupError,
+    pulsar.Result.BrokerMetadataError,
+    pulsar.Result.BrokerPersistenceError,
+    pulsar.Result.TooManyLookupRequestException,
+    pulsar.Result.NotConnected,
+}
+
+
+class _ExpectedContention(logging.Filter):
+    """Drop the C++ client's warnings for expected writer contention (we log it at DEBUG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "existing exclusive producer" not in record.getMessage()
+
+
+_client_logger = logging.getLogger("pulsar_state.client")
+_client_logger.addFilter(_ExpectedContention())
+
+
+class LogPosition(NamedTuple):
+    """A message's place in a non-partitioned topic: ledger then entry. Ordered."""
+
+    ledger: int
+    entry: int
+
+    def __str__(self) -> str:
+        return f"{self.ledger}:{self.entry}"
+
+
+@dataclass(frozen=True, slots=True)
+class RawMessage:
+    """A message as read from the topic, before any decoding."""
+
+    payload: bytes
+    position: LogPosition
+    key: str
+
+
+def _result_of(exc: BaseException) -> Any | None:
+    """Pulsar's result code carried by either flavour of Pulsar exception, else None."""
+    if isinstance(exc, pulsar_asyncio.PulsarException):
+        return exc.error()
+    if isinstance(exc, pulsar_exceptions.PulsarException):
+        name = type(exc).__name__
+        return getattr(pulsar.Result, name, pulsar.Result.UnknownError)
+    return None
+
+
+def translate(exc: BaseException, context: str, *, creating_writer: bool = False) -> BaseException:
+    """Map a Pulsar exception (sync or asyncio flavour) to this library's tree.
+
+    Anything that is not a Pulsar exception is returned unchanged.
+    """
+    result = _result_of(exc)
+    if result is None:
+        return exc
+    detail = f"{context}: {exc}"
+    if creating_writer and result in _HELD:
+        return WriterBusyError(f"{context}: another process holds the topic's exclusive writer")
+    if result == pulsar.Result.ProducerFenced:
+        return FencedError(f"{context}: this writer was fenced by a newer exclusive writer")
+    if result == pulsar.Result.Timeout:
+        return OperationTimeoutError(detail)
+    if result == pulsar.Result.MessageTooBig:
+        return RecordTooLargeError(detail, size=-1, limit=-1)
+    if result == pulsar.Result.AlreadyClosed:
+        return ClosedError(detail)
+    if result in (pulsar.Result.TopicNotFound, pulsar.Result.TopicTerminated):
+        return TopicError(detail, topic=context)
+    if result in _UNAVAILABLE:
+        return BrokerUnavailableError(detail, result=result.name)
+    return BrokerError(detail, result=result.name)
+
+
+@contextmanager
+def translate_errors(context: str, *, creating_writer: bool = False) -> Iterator[None]:
+    """Re-raise Pulsar exceptions raised inside the block as :class:`PulsarStateError`."""
+    try:
+        yield
+    except PulsarStateError:
+        raise
+    except (pulsar_asyncio.PulsarException, pulsar_exceptions.PulsarException) as exc:
+        # pulsar.asyncio.PulsarException derived from BaseException up to 3.12; both are
+        # named explicitly so that neither version slips through.
+        raise translate(exc, context, creating_writer=creating_writer) from exc
+
+
+class StateWriter:
+    """An exclusive, non-batching producer on the state topic: one message per record."""
+
+    def __init__(self, producer: Any, topic: str) -> None:
+        self._producer = producer
+        self._topic = topic
+
+    @property
+    def name(self) -> str:
+        return str(self._producer.producer_name())
+
+    async def send(self, payload: bytes, *, key: str) -> LogPosition:
+        # Every message is keyed: since Pulsar 3.2 compaction drops keyless messages (PIP-318).
+        with translate_errors(f"send to {self._topic}"):
+            msg_id = await self._producer.send(payload, partition_key=key)
+        return LogPosition(msg_id.ledger_id(), msg_id.entry_id())
+
+    async def close(self) -> None:
+        try:
+            with translate_errors(f"close writer on {self._topic}"):
+                await self._producer.close()
+        except PulsarStateError as exc:
+            # A fenced or disconnected producer is already released on the broker side.
+            logger.debug("closing writer on %s: %s", self._topic, exc)
+
+
+class StateReader:
+    """A reader over the whole topic, from the earliest message, in log order."""
+
+    def __init__(self, reader: Any, topic: str) -> None:
+        self._reader = reader
+        self._topic = topic
+
+    async def read_next(self) -> RawMessage:
+        # Never cancelled by a timeout: a cancelled read_next would drop the message the
+        # client hands back later, and a replica must never skip a record silently.
+        with translate_errors(f"read from {self._topic}"):
+            msg = await self._reader.read_next()
+        mid = msg.message_id()
+        return RawMessage(
+            payload=msg.data(),
+            position=LogPosition(mid.ledger_id(), mid.entry_id()),
+            key=msg.partition_key() or "",
+        )
+
+    async def close(self) -> None:
+        try:
+            with translate_errors(f"close reader on {self._topic}"):
+                await self._reader.close()
+        except PulsarStateError as exc:
+            logger.debug("closing reader on %s: %s", self._topic, exc)
+
+
+class PulsarConnection:
+    """A ``pulsar.asyncio.Client`` plus the few calls the state manager makes with it."""
+
+    def __init__(
+        self,
+        service_url: str,
+        *,
+        operation_timeout_s: float = 30.0,
+        connection_timeout_s: float = 10.0,
+        client_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.service_url = service_url
+        options: dict[str, Any] = {
+            "operation_timeout_seconds": max(1, int(operation_timeout_s)),
+            "connection_timeout_ms": int(connection_timeout_s * 1000),
+            # The C++ client logs to stdout by default; route it to Python logging instead.
+            "logger": _client_logger,
+        }
+        options.update(client_options or {})
+        with translate_errors(f"connect to {service_url}"):
+            self._client = pulsar_asyncio.Client(service_url, **options)
+
+    @classmethod
+    def wrap(cls, client: Any) -> PulsarConnection:
+        """Borrow an existing ``pulsar.asyncio.Client`` (the caller keeps ownership)."""
+        if not isinstance(client, pulsar_asyncio.Client):
+            raise TypeError(
+                f"pass a service URL (str) or a pulsar.asyncio.Client, not {type(client).__name__}"
+            )
+        conn = cls.__new__(cls)
+        conn.service_url = getattr(client, "service_url", "")
+        conn._client = client
+        return conn
+
+    async def create_writer(
+        self, topic: str, *, fencing: bool, name: str | None, send_timeout_s: float
+    ) -> StateWriter:
+        mode = (
+            pulsar.ProducerAccessMode.ExclusiveWithFencing
+            if fencing
+            else pulsar.ProducerAccessMode.Exclusive
+        )
+        with translate_errors(f"acquire the writer of {topic}", creating_writer=True):
+            producer = await self._client.create_producer(
+                topic,
+                producer_name=name,
+                access_mode=mode,
+                # One message = one record: batching would merge records and chunking needs it off.
+                batching_enabled=False,
+                send_timeout_millis=int(send_timeout_s * 1000),
+                max_pending_messages=10_000,
+                block_if_queue_full=True,
+            )
+        return StateWriter(producer, topic)
+
+    async def create_reader(self, topic: str, *, name: str | None = None) -> StateReader:
+        with translate_errors(f"open a reader on {topic}"):
+            reader = await self._client.create_reader(
+                topic,
+                pulsar.MessageId.earliest,
+                reader_name=name,
+                receiver_queue_size=2000,
+            )
+        return StateReader(reader, topic)
+
+    async def partitions(self, topic: str) -> list[str]:
+        with translate_errors(f"look up {topic}"):
+            return list(await self._client.get_topic_partitions(topic))
+
+    async def close(self) -> None:
+        try:
+            with translate_errors("close client"):
+                await self._client.close()
+        except PulsarStateError as exc:
+            logger.debug("closing client: %s", exc)
+
+
+@asynccontextmanager
+async def connection(service_url: str, **options: Any) -> AsyncIterator[PulsarConnection]:
+    conn = PulsarConnection(service_url, **options)
+    try:
+        yield conn
+    finally:
+        await conn.close()

@@ -1,0 +1,201 @@
+"""The blocking API: an event loop in a background thread running the async implementation.
+
+:class:`BlockingPortal` is the same idea as anyio's blocking portal, written over
+``asyncio.run_coroutine_threadsafe`` (about forty lines) rather than adding anyio and its
+dependencies for it. :class:`SyncSharedStateManager` forwards every call through a portal to a
+:class:`SharedStateManager`; there is no second copy of the logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar, overload
+
+from ._errors import ClosedError, OperationTimeoutError
+from ._manager import ManagerStats, SharedStateManager, WriteResult
+
+__all__ = ["BlockingPortal", "SyncSharedStateManager"]
+
+S = TypeVar("S")
+Op = TypeVar("Op")
+T = TypeVar("T")
+
+# Added to an operation's own timeout for the portal's backstop: the async call enforces the
+# real timeout and raises a precise error; the backstop only guards against a stuck loop.
+_GRACE_S = 5.0
+
+
+class BlockingPortal:
+    """Runs coroutines on an event loop owned by a daemon thread, for blocking callers.
+
+    A portal belongs to the process that created it: after ``fork`` (PySpark workers fork) the
+    child must create its own, and ``call`` says so instead of hanging.
+    """
+
+    def __init__(self, name: str = "pulsar-state-portal") -> None:
+        self._pid = os.getpid()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        self._stopped = False
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(self._ready.set)
+        self._loop.run_forever()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None) -> T:
+        """Run ``fn(*args)`` on the portal's loop and wait for its result."""
+        if os.getpid() != self._pid:
+            raise ClosedError(
+                "this portal was created in another process (fork); create a new one here"
+            )
+        if self._stopped:
+            raise ClosedError("the portal is stopped")
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("blocking call from the portal's own thread would deadlock")
+
+        async def run() -> T:
+            return await fn(*args)
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError as exc:
+            future.cancel()
+            raise OperationTimeoutError(f"blocking call did not finish in {timeout}s") from exc
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop and join the thread."""
+        if self._stopped or os.getpid() != self._pid:
+            return
+        self._stopped = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+class SyncSharedStateManager(Generic[S, Op]):
+    """The blocking twin of :class:`SharedStateManager`, for code that is not async.
+
+    Takes the same arguments (plus an optional shared ``portal``)::
+
+        with SyncSharedStateManager(url, "config", initial_state=dict, apply=apply_op) as m:
+            m.write(lambda s: [{"set": "k", "to": 1}])
+            print(m.read(lambda s: s.get("k"), latest=True))
+
+    Functions passed to ``read``/``write`` run on the portal's thread, serialised with the
+    replica's updates, so they see a consistent state.
+    """
+
+    def __init__(self, *args: Any, portal: BlockingPortal | None = None, **kwargs: Any) -> None:
+        self._owns_portal = portal is None
+        self._portal = portal if portal is not None else BlockingPortal()
+        self._manager: SharedStateManager[S, Op] = SharedStateManager(*args, **kwargs)
+
+    @property
+    def manager(self) -> SharedStateManager[S, Op]:
+        """The async manager underneath (use it only from the portal's loop)."""
+        return self._manager
+
+    @property
+    def portal(self) -> BlockingPortal:
+        return self._portal
+
+    def _backstop(self, timeout: float | None, default: float) -> float:
+        return (default if timeout is None else timeout) + _GRACE_S
+
+    def open(self, *, timeout: float | None = None) -> SyncSharedStateManager[S, Op]:
+        self._portal.call(
+            lambda: self._manager.open(timeout=timeout),
+            timeout=self._backstop(timeout, self._manager.open_timeout_s),
+        )
+        return self
+
+    def __enter__(self) -> SyncSharedStateManager[S, Op]:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self._portal.call(self._manager.aclose, timeout=30.0)
+        finally:
+            if self._owns_portal:
+                self._portal.stop()
+
+    @property
+    def position(self) -> int:
+        return self._manager.position
+
+    @property
+    def stats(self) -> ManagerStats:
+        return self._manager.stats
+
+    def read(
+        self, reader: Callable[[S], T], *, latest: bool = False, timeout: float | None = None
+    ) -> T:
+        return self._portal.call(
+            lambda: self._manager.read(reader, latest=latest, timeout=timeout),
+            timeout=self._backstop(timeout, self._manager.read_timeout_s),
+        )
+
+    def sync(self, *, timeout: float | None = None) -> int:
+        return self._portal.call(
+            lambda: self._manager.sync(timeout=timeout),
+            timeout=self._backstop(timeout, self._manager.read_timeout_s),
+        )
+
+    def wait_for(self, position: int, *, timeout: float | None = None) -> None:
+        self._portal.call(
+            lambda: self._manager.wait_for(position, timeout=timeout),
+            timeout=self._backstop(timeout, self._manager.read_timeout_s),
+        )
+
+    @overload
+    def write(
+        self, generator: Callable[[S], Sequence[Op]], *, timeout: float | None = None
+    ) -> WriteResult[None]: ...
+
+    @overload
+    def write(
+        self,
+        generator: Callable[[S], Sequence[Op]],
+        *,
+        reader: Callable[[S], T],
+        timeout: float | None = None,
+    ) -> WriteResult[T]: ...
+
+    def write(
+        self,
+        generator: Callable[[S], Sequence[Op]],
+        *,
+        reader: Callable[[S], Any] | None = None,
+        timeout: float | None = None,
+    ) -> WriteResult[Any]:
+        async def run() -> WriteResult[Any]:
+            if reader is None:
+                return await self._manager.write(generator, timeout=timeout)
+            return await self._manager.write(generator, reader=reader, timeout=timeout)
+
+        return self._portal.call(
+            run, timeout=self._backstop(timeout, self._manager.write_timeout_s)
+        )
+
+    def write_ops(self, ops: Sequence[Op], *, timeout: float | None = None) -> WriteResult[None]:
+        return self._portal.call(
+            lambda: self._manager.write_ops(ops, timeout=timeout),
+            timeout=self._backstop(timeout, self._manager.write_timeout_s),
+        )
