@@ -323,6 +323,7 @@ class SharedStateManager(Generic[S, Op]):
             await self._admin.check_topic(self.topic)
         self._pump_task = asyncio.create_task(self._pump(), name=f"pulsar-state-pump-{topic}")
         await self._bootstrap()
+        self._check_usable()  # the replay may have stopped at a bad record: refuse to open
         self._writer_task = asyncio.create_task(
             self._writer_loop(), name=f"pulsar-state-writer-{topic}"
         )
@@ -601,6 +602,8 @@ class SharedStateManager(Generic[S, Op]):
             return
         if accepted:
             self._apply_record(record, decoded, message.position)
+            if self._halt is not None:
+                return
         else:
             self.stats.records_rejected += 1
             logger.debug(
@@ -722,11 +725,7 @@ class SharedStateManager(Generic[S, Op]):
             error.__cause__ = cause
         self._halt = error
         logger.error("replica of %s halted at position %d: %s", self.topic, self._position, error)
-        halted = ReplicaHaltedError(
-            f"replica of {self.topic} stopped at position {self._position}: {error}",
-            position=self._position,
-        )
-        halted.__cause__ = error
+        halted = self._halted_error()
         self._fail_waiters(halted)
         for pending in list(self._queue):
             if not pending.future.done():
@@ -745,7 +744,9 @@ class SharedStateManager(Generic[S, Op]):
 
     def _log_waiter(self, target: LogPosition) -> asyncio.Future[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self._reached(target):
+        if self._halt is not None:
+            future.set_exception(self._halted_error())
+        elif self._reached(target):
             future.set_result(None)
         else:
             heapq.heappush(self._log_waiters, (target, next(self._tiebreak), future))
@@ -757,13 +758,17 @@ class SharedStateManager(Generic[S, Op]):
             return
         await self._log_waiter(target)
 
+    def _halted_error(self) -> ReplicaHaltedError:
+        error = ReplicaHaltedError(
+            f"replica of {self.topic} stopped at position {self._position}: {self._halt}",
+            position=self._position,
+        )
+        error.__cause__ = self._halt
+        return error
+
     def _check_usable(self) -> None:
         if self._halt is not None:
-            error = ReplicaHaltedError(
-                f"replica of {self.topic} stopped at position {self._position}: {self._halt}",
-                position=self._position,
-            )
-            raise error from self._halt
+            raise self._halted_error()
         if self._closed:
             raise ClosedError(f"manager on {self.topic} is closed")
         if self._wake is None:
@@ -939,6 +944,9 @@ class SharedStateManager(Generic[S, Op]):
                     new_trial = self._apply(trial, op)
                     if new_trial is not None:
                         trial = new_trial
+                    elif self._copy_state is None:
+                        self._misused_copy_state(pending)
+                        return []
             except Exception as exc:
                 error = ApplyError(f"apply raised on op {op!r}: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
@@ -985,6 +993,16 @@ class SharedStateManager(Generic[S, Op]):
         flush()
         return records
 
+    def _misused_copy_state(self, pending: _PendingWrite) -> None:
+        # The trial run just mutated the live state with an unacknowledged write: this replica
+        # can no longer be trusted, so it stops rather than show that write to readers.
+        error = ConfigurationError(
+            "apply returned None (mutated the state in place) but copy_state=None promises "
+            "apply never mutates its input; pass copy_state (default copy.deepcopy)"
+        )
+        pending.future.set_exception(error)
+        self._halt_with(error)
+
     async def _write_batch(self) -> None:
         producer = self._producer
         assert producer is not None
@@ -1019,6 +1037,25 @@ class SharedStateManager(Generic[S, Op]):
             # writes whose records are not seen by then are retried by _requeue_unseen.
             error = failures[0]
             logger.info("send to %s failed: %s", self.topic, error)
+            if all(isinstance(f, RecordTooLargeError) for f in failures):
+                # Refused by the client before sending: certainly not persisted, not retriable.
+                for outgoing in records:
+                    if outgoing.record.record_id not in self._in_flight:
+                        continue
+                    del self._in_flight[outgoing.record.record_id]
+                    for pending in outgoing.pending:
+                        pending.outstanding.discard(outgoing.record.record_id)
+                        if not pending.future.done():
+                            pending.future.set_exception(
+                                RecordTooLargeError(
+                                    f"the broker's client refused a {len(outgoing.payload)}-byte "
+                                    "message (over the broker's maxMessageSize); lower "
+                                    "max_record_bytes",
+                                    size=len(outgoing.payload),
+                                    limit=self.max_record_bytes,
+                                )
+                            )
+                return
             await self._release_writer()
             self._requeue_unseen(records)
             if isinstance(error, PulsarStateError):

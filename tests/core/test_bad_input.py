@@ -1,0 +1,299 @@
+"""Bad input gets a clear error and loses nothing: each case against the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from pulsar_state import (
+    ApplyError,
+    AvroCodec,
+    ConfigurationError,
+    CorruptRecordError,
+    PartitionedTopicError,
+    RecordTooLargeError,
+    ReplicaHaltedError,
+    SchemaMismatchError,
+    UnsafeTopicPolicyError,
+    WriterBusyError,
+)
+from pulsar_state._envelope import Record, Write, encode_record
+from tests.core.helpers import (
+    counter_manager,
+    incr,
+    raw_producer,
+    topic_message_count,
+)
+from tests.support.broker import admin_request
+
+
+def rest_path(topic: str) -> str:
+    return "/admin/v2/persistent/public/default/" + topic.split("/")[-1]
+
+
+async def test_generator_that_raises_fails_that_write_and_appends_nothing(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        await manager.write(lambda s: [incr()])
+
+        def broken(state: Any) -> list[Any]:
+            raise KeyError("no such thing")
+
+        with pytest.raises(KeyError, match="no such thing"):
+            await manager.write(broken)
+        # Other writes in the same batch are unaffected.
+        ok, bad = await asyncio.gather(
+            manager.write(lambda s: [incr()]), manager.write(broken), return_exceptions=True
+        )
+        assert not isinstance(ok, BaseException)
+        assert isinstance(bad, KeyError)
+        assert await manager.read(lambda s: s["count"], latest=True) == 2
+    assert await topic_message_count(service_url, topic) == 2
+
+
+async def test_op_whose_apply_raises_is_refused_before_sending(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        await manager.write(lambda s: [incr()])
+        with pytest.raises(ApplyError, match="boom"):
+            await manager.write(lambda s: [incr(), {"op": "boom"}])
+        with pytest.raises(ApplyError, match="unknown op"):
+            await manager.write(lambda s: [{"op": "no-such-op"}])
+        # The half-applied trial state was thrown away: the increment before "boom" is absent.
+        assert await manager.read(lambda s: s["count"], latest=True) == 1
+        await manager.write(lambda s: [incr()])
+        assert await manager.read(lambda s: s["count"]) == 2
+    assert await topic_message_count(service_url, topic) == 2
+
+
+async def test_oversize_write_is_refused_before_sending(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url, max_record_bytes=4096) as manager:
+        with pytest.raises(RecordTooLargeError) as error:
+            await manager.write(lambda s: [{"op": "set", "key": "big", "value": "x" * 10_000}])
+        assert error.value.limit == 4096
+        assert error.value.size > 10_000
+        await manager.write(lambda s: [incr()])
+    assert await topic_message_count(service_url, topic) == 1
+
+
+async def test_write_over_broker_limit_fails_clearly_without_retrying(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(
+        service_url, topic, admin_url, max_record_bytes=16 * 1024 * 1024, write_timeout_s=20
+    ) as manager:
+        started = time.monotonic()
+        with pytest.raises(RecordTooLargeError):
+            await manager.write(lambda s: [{"op": "set", "key": "k", "value": "x" * 6_000_000}])
+        assert time.monotonic() - started < 15  # refused, not retried until the timeout
+        await manager.write(lambda s: [incr()])
+        assert await manager.read(lambda s: s["count"], latest=True) == 1
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"not a pulsar-state record", b"PSR\x09future format", b"", b"PSR\x01\x00\x00garbage"],
+    ids=["foreign", "newer-format", "empty", "damaged"],
+)
+async def test_corrupt_message_halts_replica_at_last_good_state(
+    service_url: str, admin_url: str, topic: str, payload: bytes
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as live:
+        await live.write(lambda s: [incr()])
+        async with raw_producer(service_url, topic) as producer:
+            message_id = await producer.send(payload, partition_key="x")
+        expected_id = f"{message_id.ledger_id()}:{message_id.entry_id()}"
+        # A replica that was running stops at the message and keeps its last good state.
+        with pytest.raises(ReplicaHaltedError) as halted:
+            await live.read(lambda s: s["count"], latest=True)
+        cause = halted.value.__cause__
+        assert isinstance(cause, CorruptRecordError)
+        assert cause.message_id == expected_id
+        assert expected_id in str(halted.value)
+        assert halted.value.position == 1
+        with pytest.raises(ReplicaHaltedError):
+            await live.write(lambda s: [incr()])
+        assert live._state["count"] == 1  # consistent at the last good position
+    # A replica opening on that topic refuses to open, naming the message.
+    with pytest.raises(ReplicaHaltedError, match=expected_id):
+        async with counter_manager(service_url, topic, admin_url):
+            pass
+
+
+async def test_corrupt_message_skipped_and_counted_when_asked(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as writer:
+        await writer.write(lambda s: [incr()])
+    async with raw_producer(service_url, topic) as producer:
+        await producer.send(b"\x00\x01garbage", partition_key="x")
+    async with counter_manager(service_url, topic, admin_url, on_corrupt="skip") as replica:
+        assert replica.stats.records_skipped == 1
+        await replica.write(lambda s: [incr()])
+        assert await replica.read(lambda s: s["count"], latest=True) == 2
+
+
+async def test_undecodable_op_in_valid_record_halts_naming_message(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    record = Record("intruder", 1, 0, "", [Write(1, [b"{not json"])])
+    async with raw_producer(service_url, topic) as producer:
+        await producer.send(encode_record(record), partition_key=record.record_id)
+    with pytest.raises(ReplicaHaltedError, match="cannot decode") as halted:
+        async with counter_manager(service_url, topic, admin_url):
+            pass
+    assert halted.value.position == 0
+
+
+async def test_op_that_apply_rejects_on_replay_halts_the_replica(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A record from a writer whose apply differs (e.g. a newer version with a new op type).
+    record = Record("other-version", 1, 0, "", [Write(1, [b'{"op":"from-the-future"}'])])
+    async with raw_producer(service_url, topic) as producer:
+        await producer.send(encode_record(record), partition_key=record.record_id)
+    with pytest.raises(ReplicaHaltedError) as halted:
+        async with counter_manager(service_url, topic, admin_url):
+            pass
+    assert isinstance(halted.value.__cause__, ApplyError)
+    assert "from-the-future" in str(halted.value)
+
+
+async def test_schema_mismatch_is_a_clear_error(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    v1 = {"type": "record", "name": "Op", "fields": [{"name": "n", "type": "int"}]}
+    other = {"type": "record", "name": "Op", "fields": [{"name": "n", "type": "string"}]}
+
+    def apply(state: dict[str, int], op: dict[str, Any]) -> None:
+        state["n"] = state.get("n", 0) + int(op["n"])
+
+    async with counter_manager(
+        service_url, topic, admin_url, initial_state=dict, apply=apply, codec=AvroCodec(v1)
+    ) as writer:
+        await writer.write(lambda s: [{"n": 2}])
+        with pytest.raises(Exception, match="Avro schema"):
+            await writer.write(lambda s: [{"n": "not an int"}])
+    with pytest.raises(ReplicaHaltedError) as halted:
+        async with counter_manager(
+            service_url,
+            topic,
+            admin_url,
+            initial_state=dict,
+            apply=apply,
+            codec=AvroCodec(other, writer_schemas=[v1]),
+        ):
+            pass
+    assert isinstance(halted.value.__cause__, CorruptRecordError)
+    assert isinstance(halted.value.__cause__.__cause__, SchemaMismatchError)
+
+
+async def test_stale_record_is_ignored_by_every_replica(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        counter_manager(service_url, topic, admin_url) as a,
+        counter_manager(service_url, topic, admin_url) as b,
+    ):
+        await a.write(lambda s: [incr("real")])
+        await b.sync()
+        # A zombie writer that still believes the log is empty (base 0) appends a record.
+        stale = Record("zombie", 1, 0, "", [Write(1, [b'{"op":"incr","id":"zombie","by":100}'])])
+        async with raw_producer(service_url, topic) as producer:
+            await producer.send(encode_record(stale), partition_key=stale.record_id)
+        for replica in (a, b):
+            assert await replica.read(lambda s: s["count"], latest=True) == 1
+            assert replica.stats.records_rejected == 1
+        await b.write(lambda s: [incr("after")])
+        assert await a.read(lambda s: s["count"], latest=True) == 2
+    async with counter_manager(service_url, topic, admin_url) as fresh:
+        assert await fresh.read(lambda s: s["count"]) == 2
+        assert fresh.stats.records_rejected == 1
+
+
+async def test_partitioned_topic_is_refused(service_url: str, admin_url: str, topic: str) -> None:
+    admin_request(admin_url, "PUT", rest_path(topic) + "/partitions", 2)
+    with pytest.raises(PartitionedTopicError, match="partitioned"):
+        async with counter_manager(service_url, topic, admin_url):
+            pass
+
+
+async def wait_policy(admin_url: str, path: str, expected: Any) -> None:
+    # Topic policies travel through a system topic: they apply after a short delay.
+    for _ in range(100):
+        if admin_request(admin_url, "GET", path) == expected:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"policy {path} never became {expected}")
+
+
+async def test_topic_with_finite_retention_is_refused(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    admin_request(admin_url, "PUT", rest_path(topic))
+    policy = {"retentionTimeInMinutes": 60, "retentionSizeInMB": 100}
+    admin_request(admin_url, "POST", rest_path(topic) + "/retention", policy)
+    await wait_policy(admin_url, rest_path(topic) + "/retention?applied=true", policy)
+    with pytest.raises(UnsafeTopicPolicyError, match="retention"):
+        async with counter_manager(service_url, topic, admin_url):
+            pass
+
+
+async def test_topic_with_compaction_is_refused(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    admin_request(admin_url, "PUT", rest_path(topic))
+    admin_request(admin_url, "POST", rest_path(topic) + "/compactionThreshold", 1048576)
+    await wait_policy(admin_url, rest_path(topic) + "/compactionThreshold?applied=true", 1048576)
+    with pytest.raises(UnsafeTopicPolicyError, match="compaction"):
+        async with counter_manager(service_url, topic, admin_url):
+            pass
+
+
+async def test_in_place_apply_with_copy_state_none_is_caught(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url, copy_state=None) as manager:
+        with pytest.raises(ConfigurationError, match="copy_state"):
+            await manager.write(lambda s: [incr()])
+        assert manager.halted is not None
+
+
+async def test_busy_writer_times_out_with_writer_busy(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
+    async with (
+        counter_manager(service_url, topic, admin_url, **hold) as holder,
+        counter_manager(service_url, topic, admin_url, acquire_timeout_s=1.5) as waiter,
+    ):
+        await holder.write(lambda s: [incr()])
+        with pytest.raises(WriterBusyError) as busy:
+            await waiter.write(lambda s: [incr()])
+        assert busy.value.retriable
+        assert await waiter.read(lambda s: s["count"], latest=True) == 1
+
+
+async def test_takeover_with_fencing_after_configured_wait(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
+    async with (
+        counter_manager(service_url, topic, admin_url, **hold) as stuck,
+        counter_manager(service_url, topic, admin_url, takeover_after_s=0.5) as taker,
+    ):
+        await stuck.write(lambda s: [incr("stuck-1")])
+        await taker.write(lambda s: [incr("taker-1")])  # fences `stuck`
+        # The fenced writer notices on its next send, re-acquires, and its write lands once.
+        await stuck.write(lambda s: [incr("stuck-2")])
+        for replica in (stuck, taker):
+            state = await replica.read(lambda s: s, latest=True)
+            assert state["count"] == 3
+            assert state["seen"] == {"stuck-1": 1, "taker-1": 1, "stuck-2": 1}

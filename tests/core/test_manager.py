@@ -1,0 +1,189 @@
+"""SharedStateManager's contract in one process (several replicas), against the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pulsar_state import (
+    ClosedError,
+    ReplayProgress,
+    SharedStateManager,
+    SyncSharedStateManager,
+    WriteResult,
+)
+from tests.core.helpers import Counter, apply_counter, counter_manager, incr, new_counter
+
+
+async def test_write_then_read_locally_and_latest(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        result = await manager.write(lambda s: [incr("a")], reader=lambda s: s["count"])
+        assert result == WriteResult(value=1, position=1)
+        assert await manager.read(lambda s: s["count"]) == 1
+        assert await manager.read(lambda s: s["count"], latest=True) == 1
+        assert manager.position == 1
+
+
+async def test_other_replica_reads_latest_and_waits_for_position(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        counter_manager(service_url, topic, admin_url) as a,
+        counter_manager(service_url, topic, admin_url) as b,
+    ):
+        first = await a.write(lambda s: [incr("1")])
+        assert await b.read(lambda s: s["count"], latest=True) == 1
+        second = await a.write(lambda s: [incr("2")])
+        await b.wait_for(second.position, timeout=10)
+        assert await b.read(lambda s: s["count"]) == 2
+        assert first.position < second.position == b.position
+
+
+async def test_generator_sees_up_to_date_state_and_value_comes_from_committed_attempt(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        counter_manager(service_url, topic, admin_url) as a,
+        counter_manager(service_url, topic, admin_url) as b,
+    ):
+        await a.write(lambda s: [incr(), incr(), incr()])
+        seen: list[int] = []
+
+        def double(state: Counter) -> list[dict[str, object]]:
+            seen.append(state["count"])
+            return [incr(by=state["count"])]
+
+        # b never read anything itself: its generator must still run on the tail state.
+        result = await b.write(double, reader=lambda s: s["count"])
+        assert seen[-1] == 3
+        assert result.value == 6
+        assert await a.read(lambda s: s["count"], latest=True) == 6
+
+
+async def test_ops_of_one_write_are_applied_together(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        counter_manager(service_url, topic, admin_url) as a,
+        counter_manager(service_url, topic, admin_url) as b,
+    ):
+        observed: list[int] = []
+        b.add_listener(lambda record: observed.append(b_state_count(b)))
+        for _ in range(20):
+            await a.write(lambda s: [incr(), incr(), incr(), incr()])
+        await b.sync()
+        # After every record, b's state had moved by whole writes of 4 increments.
+        assert observed
+        assert all(count % 4 == 0 for count in observed)
+        assert await b.read(lambda s: s["count"]) == 80
+
+
+def b_state_count(manager: SharedStateManager[Counter, dict[str, object]]) -> int:
+    return int(manager._state["count"])  # test-only peek from inside a listener
+
+
+async def test_concurrent_writes_are_group_committed_and_exact(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        results = await asyncio.gather(
+            *(
+                manager.write(lambda s, i=i: [incr(f"w{i}")], reader=lambda s: s["count"])
+                for i in range(300)
+            )
+        )
+        values = sorted(r.value for r in results)
+        assert values == list(range(1, 301))  # each write saw exactly its own increment
+        state = await manager.read(lambda s: s, latest=True)
+        assert state["count"] == 300
+        assert set(state["seen"].values()) == {1}
+        # Group commit: far fewer records than writes.
+        assert manager.stats.records_sent < 300
+
+
+async def test_empty_write_is_a_linearizable_no_op(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        await manager.write(lambda s: [incr()])
+        result = await manager.write(lambda s: [], reader=lambda s: s["count"])
+        assert result.value == 1
+
+
+async def test_write_ops_unconditional(service_url: str, admin_url: str, topic: str) -> None:
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        await manager.write_ops([incr("x"), {"op": "set", "key": "name", "value": "v"}])
+        state = await manager.read(lambda s: dict(s))
+        assert state["count"] == 1
+        assert state["name"] == "v"
+
+
+async def test_reopen_replays_history_with_progress(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        await asyncio.gather(*(manager.write(lambda s: [incr()]) for _ in range(50)))
+        for _ in range(10):
+            await manager.write(lambda s: [incr()])
+        position = manager.position
+    reports: list[ReplayProgress] = []
+    async with counter_manager(service_url, topic, admin_url, on_progress=reports.append) as again:
+        assert again.position == position
+        assert await again.read(lambda s: s["count"]) == 60
+    assert reports
+    assert reports[-1].done
+    assert reports[-1].records_read == position
+
+
+async def test_close_releases_the_writer_at_once(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    a = counter_manager(service_url, topic, admin_url, idle_release_s=3600, max_hold_s=3600)
+    await a.open()
+    await a.write(lambda s: [incr()])  # a now holds the exclusive producer, and would keep it
+    async with counter_manager(service_url, topic, admin_url, acquire_timeout_s=20) as b:
+        started = time.monotonic()
+        write = asyncio.create_task(b.write(lambda s: [incr()]))
+        await asyncio.sleep(0.5)
+        assert not write.done()  # held by a
+        await a.aclose()
+        await write
+        # Far below the broker's keepalive (30-60 s): the close released the producer.
+        assert time.monotonic() - started < 15
+        assert await b.read(lambda s: s["count"]) == 2
+    with pytest.raises(ClosedError):
+        await a.read(lambda s: s)
+
+
+async def test_calls_after_close_raise_closed(service_url: str, admin_url: str, topic: str) -> None:
+    manager = counter_manager(service_url, topic, admin_url)
+    with pytest.raises(ClosedError):
+        await manager.read(lambda s: s)
+    async with manager:
+        pass
+    with pytest.raises(ClosedError):
+        await manager.write(lambda s: [incr()])
+
+
+def test_sync_facade_runs_the_same_implementation(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    with (
+        SyncSharedStateManager(
+            service_url, topic, initial_state=new_counter, apply=apply_counter, admin_url=admin_url
+        ) as a,
+        SyncSharedStateManager(
+            service_url, topic, initial_state=new_counter, apply=apply_counter, admin_url=admin_url
+        ) as b,
+    ):
+        result = a.write(lambda s: [incr("s1")], reader=lambda s: s["count"])
+        assert result.value == 1
+        b.wait_for(result.position, timeout=10)
+        assert b.read(lambda s: s["count"]) == 1
+        b.write_ops([incr("s2")])
+        assert a.read(lambda s: s["count"], latest=True) == 2
+        assert isinstance(a.manager, SharedStateManager)
