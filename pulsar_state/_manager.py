@@ -166,6 +166,9 @@ class SharedStateManager(Generic[S, Op]):
         codec: encodes ops to bytes and back (default JSON).
         copy_state: copies the state for the writer's trial run of generators and ops
             (default ``copy.deepcopy``). Pass ``None`` when ``apply`` never mutates its input.
+        begin_record: ``begin_record(state, position)`` runs before the ops of each accepted
+            record, with the position that record gets (1 for the first): for states that
+            stamp versions. Runs on the writer's trial state too, with the same position.
         admin_url: the broker's admin REST URL (default derived from the service URL).
         on_corrupt: ``"halt"`` (default) stops applying at a foreign or damaged message and
             raises :class:`ReplicaHaltedError` from then on; ``"skip"`` logs, counts and skips.
@@ -194,6 +197,7 @@ class SharedStateManager(Generic[S, Op]):
         apply: Callable[[S, Op], S | None],
         codec: Codec[Op] | None = None,
         copy_state: Callable[[S], S] | None = copy.deepcopy,
+        begin_record: Callable[[S, int], S | None] | None = None,
         admin_url: str | None = None,
         on_corrupt: OnCorrupt = "halt",
         check_topic: bool = True,
@@ -221,6 +225,7 @@ class SharedStateManager(Generic[S, Op]):
         self._apply = apply
         self._codec: Codec[Op] = codec if codec is not None else JsonCodec()
         self._copy_state = copy_state
+        self._begin_record = begin_record
         if isinstance(pulsar, str):
             service_url = pulsar
         else:
@@ -633,6 +638,7 @@ class SharedStateManager(Generic[S, Op]):
         state = self._state
         results: list[tuple[_PendingWrite, Any, BaseException | None]] = []
         try:
+            state = self._begin(state, self._position + 1)
             for write, ops in zip(record.writes, decoded, strict=True):
                 for op in ops:
                     new_state = self._apply(state, op)
@@ -910,57 +916,14 @@ class SharedStateManager(Generic[S, Op]):
         return self._copy_state(self._state) if self._copy_state is not None else self._state
 
     def _build_records(self, batch: list[_PendingWrite]) -> list[_OutgoingRecord]:
-        """Run generators on a trial state, validate their ops, pack them into records."""
-        trial = self._trial_state()
-        accepted: list[tuple[_PendingWrite, list[Op], list[bytes]]] = []
-        for pending in batch:
-            if pending.future.done():
-                continue
-            try:
-                ops = list(pending.generator(trial))
-            except Exception as exc:  # the caller's generator: its exception, unchanged
-                pending.future.set_exception(exc)
-                continue
-            try:
-                encoded = [self._codec.encode(op) for op in ops]
-            except CodecError as exc:
-                pending.future.set_exception(exc)
-                continue
-            except Exception as exc:
-                pending.future.set_exception(CodecError(f"cannot encode op: {exc}"))
-                continue
-            size = sum(len(e) + 8 for e in encoded) + record_overhead(self.writer_id)
-            if size > self.max_record_bytes:
-                pending.future.set_exception(
-                    RecordTooLargeError(
-                        f"write of {size} bytes exceeds max_record_bytes={self.max_record_bytes}",
-                        size=size,
-                        limit=self.max_record_bytes,
-                    )
-                )
-                continue
-            try:
-                for op in ops:
-                    new_trial = self._apply(trial, op)
-                    if new_trial is not None:
-                        trial = new_trial
-                    elif self._copy_state is None:
-                        self._misused_copy_state(pending)
-                        return []
-            except Exception as exc:
-                error = ApplyError(f"apply raised on op {op!r}: {type(exc).__name__}: {exc}")
-                error.__cause__ = exc
-                pending.future.set_exception(error)
-                # The trial state may hold part of this write: rebuild it from the real one.
-                trial = self._trial_state()
-                for _, good_ops, _ in accepted:
-                    for good in good_ops:
-                        rebuilt = self._apply(trial, good)
-                        if rebuilt is not None:
-                            trial = rebuilt
-                continue
-            accepted.append((pending, ops, encoded))
+        """Run generators on a trial state, validate their ops, pack them into records.
 
+        Writes are packed as they are generated, so the trial state knows the position each
+        write's record will have (``begin_record``) exactly as the replicas will.
+        """
+        trial = self._trial_state()
+        # What was applied to the trial state, to rebuild it when a write fails half-way.
+        steps: list[tuple[int, list[Op]]] = []
         records: list[_OutgoingRecord] = []
         base_position, base_id = self._position, self._last_record_id
         group: list[tuple[_PendingWrite, list[bytes]]] = []
@@ -981,17 +944,74 @@ class SharedStateManager(Generic[S, Op]):
             base_position, base_id = base_position + 1, record.record_id
             group, group_size = [], record_overhead(self.writer_id)
 
-        for pending, _ops, encoded in accepted:
+        for pending in batch:
+            if pending.future.done():
+                continue
+            try:
+                ops = list(pending.generator(trial))
+            except Exception as exc:  # the caller's generator: its exception, unchanged
+                pending.future.set_exception(exc)
+                continue
+            try:
+                encoded = [self._codec.encode(op) for op in ops]
+            except CodecError as exc:
+                pending.future.set_exception(exc)
+                continue
+            except Exception as exc:
+                pending.future.set_exception(CodecError(f"cannot encode op: {exc}"))
+                continue
             size = sum(len(e) + 8 for e in encoded) + 16
+            if size + record_overhead(self.writer_id) > self.max_record_bytes:
+                pending.future.set_exception(
+                    RecordTooLargeError(
+                        f"write of {size} bytes exceeds max_record_bytes={self.max_record_bytes}",
+                        size=size,
+                        limit=self.max_record_bytes,
+                    )
+                )
+                continue
             if group and (
                 len(group) >= self.max_writes_per_record
                 or group_size + size > self.max_record_bytes
             ):
                 flush()
+            position = base_position + 1  # the position of the record this write joins
+            try:
+                if not group:
+                    trial = self._begin(trial, position)
+                for op in ops:
+                    new_trial = self._apply(trial, op)
+                    if new_trial is not None:
+                        trial = new_trial
+                    elif self._copy_state is None:
+                        self._misused_copy_state(pending)
+                        return []
+            except Exception as exc:
+                error = ApplyError(f"apply raised on op {op!r}: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                pending.future.set_exception(error)
+                # The trial state may hold part of this write: rebuild it from the real one.
+                trial = self._trial_state()
+                begun = -1
+                for step_position, good_ops in steps:
+                    if step_position != begun:
+                        trial, begun = self._begin(trial, step_position), step_position
+                    for good in good_ops:
+                        rebuilt = self._apply(trial, good)
+                        if rebuilt is not None:
+                            trial = rebuilt
+                continue
+            steps.append((position, ops))
             group.append((pending, encoded))
             group_size += size
         flush()
         return records
+
+    def _begin(self, state: S, position: int) -> S:
+        if self._begin_record is None:
+            return state
+        new_state = self._begin_record(state, position)
+        return state if new_state is None else new_state
 
     def _misused_copy_state(self, pending: _PendingWrite) -> None:
         # The trial run just mutated the live state with an unacknowledged write: this replica

@@ -187,3 +187,31 @@ def test_sync_facade_runs_the_same_implementation(
         b.write_ops([incr("s2")])
         assert a.read(lambda s: s["count"], latest=True) == 2
         assert isinstance(a.manager, SharedStateManager)
+
+
+async def test_begin_record_stamps_the_same_positions_on_writer_and_replicas(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    def begin(state: Counter, position: int) -> None:
+        state["at"] = position
+
+    def stamp(state: Counter, op: dict[str, object]) -> None:
+        state.setdefault("stamps", {})[str(op["id"])] = state["at"]
+
+    options = {"initial_state": dict, "apply": stamp, "begin_record": begin}
+    async with (
+        counter_manager(service_url, topic, admin_url, max_writes_per_record=3, **options) as a,
+        counter_manager(service_url, topic, admin_url, **options) as b,
+    ):
+        results = await asyncio.gather(
+            *(
+                a.write(lambda s, i=i: [{"id": i}], reader=lambda s, i=i: s["stamps"][str(i)])
+                for i in range(10)
+            )
+        )
+        for result in results:
+            assert result.value == result.position  # the trial and the replica agree
+        await b.sync()
+        stamps_a = await a.read(lambda s: dict(s["stamps"]))
+        assert stamps_a == await b.read(lambda s: dict(s["stamps"]))
+        assert {r.position for r in results} == set(stamps_a.values())
