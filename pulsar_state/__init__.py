@@ -5,6 +5,7 @@ See the README for the model, the guarantees and the exception tree.
 """
 
 from ._codecs import AvroCodec, BytesCodec, Codec, JsonCodec, StrCodec
+from ._envelope import SnapshotManifest
 from ._errors import (
     ApplyError,
     BrokerError,
@@ -56,6 +57,7 @@ __all__ = [
     "ReplicaHaltedError",
     "SchemaMismatchError",
     "SharedStateManager",
+    "SnapshotManifest",
     "StrCodec",
     "SyncSharedStateManager",
     "TopicError",

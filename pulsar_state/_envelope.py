@@ -30,7 +30,19 @@ import fastavro
 
 from ._errors import CorruptRecordError
 
-__all__ = ["MAGIC", "Record", "Write", "decode_record", "encode_record", "record_overhead"]
+__all__ = [
+    "MAGIC",
+    "Record",
+    "SnapshotManifest",
+    "Write",
+    "decode_chunk",
+    "decode_manifest",
+    "decode_record",
+    "encode_chunk",
+    "encode_manifest",
+    "encode_record",
+    "record_overhead",
+]
 
 MAGIC = b"PSR\x01"
 _CRC = struct.Struct(">I")
@@ -152,3 +164,82 @@ def decode_record(payload: bytes, *, message_id: str) -> Record:
             f"message {message_id}: damaged pulsar-state record ({type(exc).__name__}: {exc})",
             message_id=message_id,
         ) from exc
+
+
+# ---------------------------------------------------------------- snapshots
+#
+# A snapshot is a run of chunk messages on the snapshot data topic, then one manifest message
+# on the snapshot index topic. The manifest is written last: a snapshot without one (a process
+# died half-way) is never used.
+
+CHUNK_MAGIC = b"PSC\x01"
+MANIFEST_MAGIC = b"PSM\x01"
+_CHUNK_HEADER = struct.Struct(">16sII")  # snapshot id (uuid bytes), chunk index, chunk count
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotManifest:
+    """Describes one complete snapshot: what it covers and where its chunks are."""
+
+    snapshot_id: str  # 32 hex digits
+    position: int  # records accepted in the state it holds
+    record_id: str  # the last accepted record at that point
+    log_ledger: int  # the main topic's last message covered: the replay resumes after it
+    log_entry: int
+    size: int  # bytes of the encoded state
+    chunks: int
+    digest: str  # sha256 of the encoded state
+    first_chunk_ledger: int  # where its first chunk is on the data topic
+    first_chunk_entry: int
+    created_at: float
+    writer_id: str
+
+
+def encode_manifest(manifest: SnapshotManifest) -> bytes:
+    import dataclasses
+    import json
+
+    body = MANIFEST_MAGIC + json.dumps(dataclasses.asdict(manifest), sort_keys=True).encode()
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode_manifest(payload: bytes, *, message_id: str) -> SnapshotManifest:
+    import json
+
+    end = len(payload) - _CRC.size
+    if (
+        not payload.startswith(MANIFEST_MAGIC)
+        or end < len(MANIFEST_MAGIC)
+        or _CRC.unpack_from(payload, end)[0] != zlib.crc32(payload[:end])
+    ):
+        raise CorruptRecordError(
+            f"message {message_id}: not a valid snapshot manifest", message_id=message_id
+        )
+    try:
+        return SnapshotManifest(**json.loads(payload[len(MANIFEST_MAGIC) : end]))
+    except (TypeError, ValueError) as exc:
+        raise CorruptRecordError(
+            f"message {message_id}: damaged snapshot manifest ({exc})", message_id=message_id
+        ) from exc
+
+
+def encode_chunk(snapshot_id: str, index: int, count: int, data: bytes) -> bytes:
+    header = CHUNK_MAGIC + _CHUNK_HEADER.pack(bytes.fromhex(snapshot_id), index, count)
+    crc = zlib.crc32(data, zlib.crc32(header))
+    return b"".join((header, data, _CRC.pack(crc)))
+
+
+def decode_chunk(payload: bytes, *, message_id: str) -> tuple[str, int, int, bytes]:
+    """(snapshot id, index, count, data) of a chunk, or CorruptRecordError."""
+    start = len(CHUNK_MAGIC) + _CHUNK_HEADER.size
+    end = len(payload) - _CRC.size
+    if (
+        not payload.startswith(CHUNK_MAGIC)
+        or end < start
+        or _CRC.unpack_from(payload, end)[0] != zlib.crc32(memoryview(payload)[:end])
+    ):
+        raise CorruptRecordError(
+            f"message {message_id}: not a valid snapshot chunk", message_id=message_id
+        )
+    raw_id, index, count = _CHUNK_HEADER.unpack_from(payload, len(CHUNK_MAGIC))
+    return raw_id.hex(), index, count, payload[start:end]

@@ -36,7 +36,15 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from ._admin import AdminClient, TopicName, default_admin_url
 from ._codecs import Codec, JsonCodec
-from ._envelope import Record, Write, decode_record, encode_record, record_overhead, write_id
+from ._envelope import (
+    Record,
+    SnapshotManifest,
+    Write,
+    decode_record,
+    encode_record,
+    record_overhead,
+    write_id,
+)
 from ._errors import (
     ApplyError,
     ClosedError,
@@ -52,6 +60,7 @@ from ._errors import (
     WriterBusyError,
 )
 from ._pulsar import LogPosition, PulsarConnection, RawMessage, StateReader, StateWriter
+from ._snapshots import SnapshotStore, digest_of
 
 __all__ = [
     "AppliedRecord",
@@ -105,6 +114,8 @@ class ReplayProgress:
     bytes_total: int | None
     elapsed_s: float
     done: bool
+    snapshot_position: int | None = None  # the snapshot the replay started from, if any
+    snapshot_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -120,6 +131,9 @@ class ManagerStats:
     writes_committed: int = 0
     write_retries: int = 0
     writer_acquisitions: int = 0
+    snapshots_written: int = 0
+    snapshot_loaded_position: int | None = None
+    determinism_failures: int = 0
 
 
 @dataclass(eq=False)
@@ -184,6 +198,13 @@ class SharedStateManager(Generic[S, Op]):
         max_writes_per_record: group-commit at most this many writes into one message.
         max_writes_per_batch: at most this many writes per pipelined batch.
         on_progress: called with :class:`ReplayProgress` during the bootstrap replay.
+        snapshot_codec: encodes the whole state to bytes and back; enables snapshots
+            (``snapshot()``, automatic policies, and opening from the newest good snapshot).
+            It must be deterministic (same state, same bytes): digests are compared.
+        snapshot_every_records / snapshot_every_bytes: the writer takes a snapshot after this
+            many records (or bytes of records) since the last one. None: only manual.
+        snapshot_chunk_bytes: snapshot chunk size (one message each; no overall size cap).
+        load_snapshot: open from the newest good snapshot (default) or replay everything.
         name: a label for logs and the writer id.
         client_options: extra ``pulsar.Client`` options (authentication, TLS, ...).
     """
@@ -212,6 +233,11 @@ class SharedStateManager(Generic[S, Op]):
         max_writes_per_record: int = 256,
         max_writes_per_batch: int = 1024,
         on_progress: Callable[[ReplayProgress], None] | None = None,
+        snapshot_codec: Codec[S] | None = None,
+        snapshot_every_records: int | None = None,
+        snapshot_every_bytes: int | None = None,
+        snapshot_chunk_bytes: int = 1024 * 1024,
+        load_snapshot: bool = True,
         name: str | None = None,
         client_options: dict[str, Any] | None = None,
     ) -> None:
@@ -245,6 +271,18 @@ class SharedStateManager(Generic[S, Op]):
         self.max_writes_per_batch = max_writes_per_batch
         self._on_progress = on_progress
         self._client_options = client_options
+        self._snapshot_codec = snapshot_codec
+        self.snapshot_every_records = snapshot_every_records
+        self.snapshot_every_bytes = snapshot_every_bytes
+        self._snapshot_chunk_bytes = snapshot_chunk_bytes
+        self._load_snapshot = load_snapshot
+        self._snapshots: SnapshotStore | None = None
+        self._snapshot_task: asyncio.Task[None] | None = None
+        self._last_snapshot_position = 0
+        self._bytes_at_last_snapshot = 0
+        # The newest manifest past the loaded state: checked when the replay reaches it.
+        self._verify_manifest: SnapshotManifest | None = None
+        self._loaded_manifest: SnapshotManifest | None = None
         self.writer_id = f"{name + '-' if name else ''}{uuid.uuid4().hex[:12]}"
 
         self._state: S = initial_state()
@@ -326,6 +364,20 @@ class SharedStateManager(Generic[S, Op]):
         self._reader = await self._conn.create_reader(topic, name=f"pulsar-state-{self.writer_id}")
         if self._check_topic:
             await self._admin.check_topic(self.topic)
+        if self._snapshot_codec is not None:
+            self._snapshots = SnapshotStore(
+                self._conn,
+                self._admin,
+                self.topic,
+                chunk_bytes=self._snapshot_chunk_bytes,
+                timeout_s=self.open_timeout_s,
+            )
+            if await self._load_newest_snapshot(load=self._load_snapshot):
+                assert self._read_position is not None
+                await self._reader.close()
+                self._reader = await self._conn.create_reader(
+                    topic, name=f"pulsar-state-{self.writer_id}", after=self._read_position
+                )
         self._pump_task = asyncio.create_task(self._pump(), name=f"pulsar-state-pump-{topic}")
         await self._bootstrap()
         self._check_usable()  # the replay may have stopped at a bad record: refuse to open
@@ -338,6 +390,52 @@ class SharedStateManager(Generic[S, Op]):
             self._position,
             self.stats.records_read,
         )
+
+    async def _load_newest_snapshot(self, *, load: bool) -> bool:
+        """Load the newest snapshot that checks out; older ones are fallbacks. True if one was.
+
+        The newest snapshot not loaded (unusable, or ``load`` False) is kept to check the
+        replayed state against its digest when the replay reaches its position.
+        """
+        assert self._snapshots is not None
+        assert self._snapshot_codec is not None
+        manifests = await self._snapshots.manifests()
+        if manifests and not load:
+            self._verify_manifest = manifests[-1]
+            return False
+        for manifest in reversed(manifests):
+            try:
+                started = time.monotonic()
+                data = await self._snapshots.load(manifest)
+                state = await asyncio.to_thread(self._snapshot_codec.decode, data)
+            except (PulsarStateError, TimeoutError) as exc:
+                logger.warning(
+                    "snapshot %s of %s (position %d) is unusable, falling back: %s",
+                    manifest.snapshot_id,
+                    self.topic,
+                    manifest.position,
+                    exc,
+                )
+                self._verify_manifest = self._verify_manifest or manifest
+                continue
+            self._state = state
+            self._position = self._last_snapshot_position = manifest.position
+            self._last_record_id = manifest.record_id
+            self._read_position = LogPosition(manifest.log_ledger, manifest.log_entry)
+            self._loaded_manifest = manifest
+            self.stats.position = manifest.position
+            self.stats.snapshot_loaded_position = manifest.position
+            logger.info(
+                "loaded snapshot of %s at position %d (%.1f MB) in %.2fs",
+                self.topic,
+                manifest.position,
+                manifest.size / 1e6,
+                time.monotonic() - started,
+            )
+            return True
+        if manifests:
+            logger.warning("no usable snapshot of %s: replaying the whole log", self.topic)
+        return False
 
     async def _bootstrap(self) -> None:
         tail = await self._admin.last_position(self.topic)
@@ -363,6 +461,7 @@ class SharedStateManager(Generic[S, Op]):
     def _report_progress(
         self, started: float, records_total: int | None, bytes_total: int | None, *, done: bool
     ) -> None:
+        loaded = self._loaded_manifest
         progress = ReplayProgress(
             records_read=self.stats.records_read,
             bytes_read=self.stats.bytes_read,
@@ -370,6 +469,8 @@ class SharedStateManager(Generic[S, Op]):
             bytes_total=bytes_total,
             elapsed_s=time.monotonic() - started,
             done=done,
+            snapshot_position=loaded.position if loaded else None,
+            snapshot_bytes=loaded.size if loaded else 0,
         )
         if not done:
             logger.info(
@@ -403,7 +504,10 @@ class SharedStateManager(Generic[S, Op]):
         in_flight = [p.future for ps in self._in_flight.values() for p in ps if not p.future.done()]
         if in_flight:
             await asyncio.wait(in_flight, timeout=min(timeout, 5.0))
-        for task in (self._writer_task,):
+        if self._snapshot_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._snapshot_task), min(timeout, 30.0))
+        for task in (self._writer_task, self._snapshot_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -564,6 +668,80 @@ class SharedStateManager(Generic[S, Op]):
         fixed = list(ops)
         return await self.write(lambda _state: fixed, timeout=timeout)
 
+    async def snapshot(self, *, timeout: float | None = None) -> SnapshotManifest:
+        """Write a snapshot of the state as it is now; returns its manifest.
+
+        Other processes may keep writing meanwhile. Raises :class:`WriterBusyError` if another
+        process is writing a snapshot of this topic at the same moment.
+        """
+        self._check_usable()
+        if self._snapshots is None or self._snapshot_codec is None:
+            raise ConfigurationError("snapshots need snapshot_codec= (state <-> bytes)")
+        codec = self._snapshot_codec
+        timeout = self.write_timeout_s if timeout is None else timeout
+        # Captured in one synchronous step: the state, its position and the log position.
+        state = self._trial_state()
+        position, record_id = self._position, self._last_record_id
+        log_position = self._read_position or LogPosition(-1, -1)
+        bytes_read = self.stats.bytes_read
+        try:
+            async with asyncio.timeout(timeout):
+                data = await asyncio.to_thread(codec.encode, state)
+                manifest = await self._snapshots.write(
+                    data,
+                    position=position,
+                    record_id=record_id,
+                    log_position=log_position,
+                    writer_id=self.writer_id,
+                )
+        except TimeoutError as exc:
+            raise OperationTimeoutError(f"snapshot of {self.topic} took over {timeout}s") from exc
+        self._last_snapshot_position = max(self._last_snapshot_position, position)
+        self._bytes_at_last_snapshot = max(self._bytes_at_last_snapshot, bytes_read)
+        self.stats.snapshots_written += 1
+        logger.info(
+            "wrote snapshot %s of %s at position %d (%.1f MB, %d chunks)",
+            manifest.snapshot_id,
+            self.topic,
+            position,
+            manifest.size / 1e6,
+            manifest.chunks,
+        )
+        return manifest
+
+    def _snapshot_due(self, *, running_ok: bool = False) -> bool:
+        if self._snapshots is None or (self._snapshot_task is not None and not running_ok):
+            return False
+        records = self._position - self._last_snapshot_position
+        data = self.stats.bytes_read - self._bytes_at_last_snapshot
+        return bool(
+            (self.snapshot_every_records and records >= self.snapshot_every_records)
+            or (self.snapshot_every_bytes and data >= self.snapshot_every_bytes)
+        )
+
+    async def _auto_snapshot(self) -> None:
+        succeeded = False
+        try:
+            assert self._snapshots is not None
+            newest = await self._snapshots.latest()
+            if newest is not None and newest.position > self._last_snapshot_position:
+                # Another writer took one since ours: count from there instead.
+                self._last_snapshot_position = newest.position
+                if not self._snapshot_due(running_ok=True):
+                    return
+            await self.snapshot()
+            succeeded = True
+        except WriterBusyError:
+            logger.debug("another process is writing a snapshot of %s", self.topic)
+        except PulsarStateError as exc:
+            logger.warning("automatic snapshot of %s failed: %s", self.topic, exc)
+        finally:
+            self._snapshot_task = None
+        # Writes went on while it ran: if another is already due, take it now. Never after a
+        # failure, which would only retry in a loop; the next write checks again.
+        if succeeded and not self._closed and self._snapshot_due():
+            self._snapshot_task = asyncio.create_task(self._auto_snapshot())
+
     # ------------------------------------------------------------------ the pump
 
     async def _pump(self) -> None:
@@ -670,6 +848,8 @@ class SharedStateManager(Generic[S, Op]):
         self._position += 1
         self._last_record_id = record.record_id
         self.stats.position = self._position
+        if self._verify_manifest is not None and self._verify_manifest.position == self._position:
+            self._check_determinism(self._verify_manifest)
         for pending, value, error in results:
             pending.outstanding.discard(record.record_id)
             if pending.future.done():
@@ -690,6 +870,27 @@ class SharedStateManager(Generic[S, Op]):
             _, _, future = heapq.heappop(self._position_waiters)
             if not future.done():
                 future.set_result(None)
+
+    def _check_determinism(self, manifest: SnapshotManifest) -> None:
+        """Compare the replayed state with a snapshot another replica took at this position."""
+        assert self._snapshot_codec is not None
+        self._verify_manifest = None
+        digest = digest_of(self._snapshot_codec.encode(self._state))
+        if digest == manifest.digest:
+            logger.debug("replayed state matches snapshot %s", manifest.snapshot_id)
+            return
+        self.stats.determinism_failures += 1
+        logger.error(
+            "DETERMINISM CHECK FAILED on %s: the state replayed to position %d differs from "
+            "snapshot %s taken there by %s (digest %s, snapshot %s). Replicas disagree: apply "
+            "or snapshot_codec is not deterministic.",
+            self.topic,
+            self._position,
+            manifest.snapshot_id,
+            manifest.writer_id,
+            digest[:16],
+            manifest.digest[:16],
+        )
 
     def _settle_rejected(self, record_id: str) -> None:
         pendings = self._in_flight.pop(record_id, None)
@@ -808,6 +1009,8 @@ class SharedStateManager(Generic[S, Op]):
                 if self._producer is None:
                     await self._acquire_writer()
                 await self._write_batch()
+                if self._snapshot_due():
+                    self._snapshot_task = asyncio.create_task(self._auto_snapshot())
             except asyncio.CancelledError:
                 raise
             except PulsarStateError as exc:

@@ -176,6 +176,11 @@ class StateReader:
             key=msg.partition_key() or "",
         )
 
+    async def has_message_available(self) -> bool:
+        """A hint only (it has had bugs); used where a wrong answer cannot lose data."""
+        with translate_errors(f"read from {self._topic}"):
+            return bool(await self._reader.has_message_available())
+
     async def close(self) -> None:
         try:
             with translate_errors(f"close reader on {self._topic}"):
@@ -239,13 +244,31 @@ class PulsarConnection:
             )
         return StateWriter(producer, topic)
 
-    async def create_reader(self, topic: str, *, name: str | None = None) -> StateReader:
+    async def create_reader(
+        self,
+        topic: str,
+        *,
+        name: str | None = None,
+        after: LogPosition | None = None,
+        at: LogPosition | None = None,
+        last: bool = False,
+    ) -> StateReader:
+        """A reader from the start, just ``after`` a message, ``at`` one, or at the ``last``."""
+        start = pulsar.MessageId.earliest
+        inclusive = False
+        if after is not None:
+            start = pulsar.MessageId(-1, after.ledger, after.entry, -1)
+        elif at is not None:
+            start, inclusive = pulsar.MessageId(-1, at.ledger, at.entry, -1), True
+        elif last:
+            start, inclusive = pulsar.MessageId.latest, True
         with translate_errors(f"open a reader on {topic}"):
             reader = await self._client.create_reader(
                 topic,
-                pulsar.MessageId.earliest,
+                start,
                 reader_name=name,
                 receiver_queue_size=2000,
+                start_message_id_inclusive=inclusive,
             )
         return StateReader(reader, topic)
 

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar, overload
 
+from ._envelope import SnapshotManifest
 from ._errors import ClosedError, OperationTimeoutError
 from ._manager import ManagerStats, SharedStateManager, WriteResult
 
@@ -192,6 +193,12 @@ class SyncSharedStateManager(Generic[S, Op]):
 
         return self._portal.call(
             run, timeout=self._backstop(timeout, self._manager.write_timeout_s)
+        )
+
+    def snapshot(self, *, timeout: float | None = None) -> SnapshotManifest:
+        return self._portal.call(
+            lambda: self._manager.snapshot(timeout=timeout),
+            timeout=self._backstop(timeout, self._manager.write_timeout_s),
         )
 
     def write_ops(self, ops: Sequence[Op], *, timeout: float | None = None) -> WriteResult[None]:

@@ -1,0 +1,259 @@
+"""Snapshots: open from the newest good one, fall back safely, and catch non-determinism."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pulsar_state import JsonCodec, SnapshotManifest
+from pulsar_state._envelope import encode_manifest
+from tests.core.helpers import Counter, apply_counter, counter_manager, incr, raw_producer
+from tests.support.broker import REPO, Broker
+
+json_state = {"snapshot_codec": JsonCodec()}
+
+
+async def write_increments(manager: Any, count: int, prefix: str) -> None:
+    await asyncio.gather(
+        *(manager.write(lambda s, i=i: [incr(f"{prefix}{i}")]) for i in range(count))
+    )
+
+
+async def test_snapshot_plus_tail_equals_full_replay(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(
+        service_url, topic, admin_url, max_writes_per_record=1, **json_state
+    ) as writer:
+        await write_increments(writer, 60, "a")
+        manifest = await writer.snapshot()
+        assert manifest.position == 60
+        await write_increments(writer, 25, "b")
+        expected = await writer.read(lambda s: s, latest=True)
+    async with (
+        counter_manager(service_url, topic, admin_url, **json_state) as from_snapshot,
+        counter_manager(
+            service_url, topic, admin_url, load_snapshot=False, **json_state
+        ) as full_replay,
+    ):
+        assert from_snapshot.stats.snapshot_loaded_position == 60
+        assert from_snapshot.stats.records_read == 25  # only the tail was replayed
+        assert full_replay.stats.records_read == 85
+        for replica in (from_snapshot, full_replay):
+            assert replica.position == 85
+            assert await replica.read(lambda s: s) == expected
+        assert full_replay.stats.determinism_failures == 0
+        # Both keep working as ordinary replicas.
+        await from_snapshot.write(lambda s: [incr("c")])
+        assert await full_replay.read(lambda s: s["count"], latest=True) == 86
+
+
+async def test_automatic_snapshots_by_record_count(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(
+        service_url, topic, admin_url, snapshot_every_records=20, **json_state
+    ) as writer:
+        for i in range(65):
+            await writer.write(lambda s, i=i: [incr(f"x{i}")])
+        # A snapshot is taken while writes go on, so it covers some position past the one
+        # that triggered it: at least one after 20 records, another 20 or more after that.
+        for _ in range(50):
+            if writer.stats.snapshots_written >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert writer.stats.snapshots_written >= 2
+    async with counter_manager(service_url, topic, admin_url, **json_state) as reader:
+        assert reader.stats.snapshot_loaded_position is not None
+        assert reader.stats.snapshot_loaded_position >= 40
+        assert await reader.read(lambda s: s["count"]) == 65
+
+
+async def test_corrupt_newest_snapshot_falls_back_to_older_one(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with counter_manager(service_url, topic, admin_url, **json_state) as writer:
+        await write_increments(writer, 10, "a")
+        older = await writer.snapshot()
+        await write_increments(writer, 10, "b")
+        newest = await writer.snapshot()
+        await write_increments(writer, 5, "c")
+        expected = await writer.read(lambda s: s, latest=True)
+    # A manifest whose digest does not match its chunks, and a damaged index message.
+    forged = SnapshotManifest(**{**_fields(newest), "position": 22, "digest": "0" * 64})
+    async with raw_producer(service_url, topic + "-snapshot-index") as producer:
+        await producer.send(encode_manifest(forged), partition_key="forged")
+        await producer.send(b"not a manifest", partition_key="junk")
+    with caplog.at_level(logging.WARNING, logger="pulsar_state"):
+        async with counter_manager(service_url, topic, admin_url, **json_state) as replica:
+            assert replica.stats.snapshot_loaded_position == newest.position
+            assert await replica.read(lambda s: s) == expected
+    assert "unusable, falling back" in caplog.text
+    assert "damaged snapshot manifest" in caplog.text or "not a valid" in caplog.text
+    assert older.position < newest.position
+
+
+def _fields(manifest: SnapshotManifest) -> dict[str, Any]:
+    return {name: getattr(manifest, name) for name in manifest.__slots__}  # type: ignore[attr-defined]
+
+
+async def test_missing_chunks_fall_back_to_full_replay(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with counter_manager(service_url, topic, admin_url, **json_state) as writer:
+        await write_increments(writer, 12, "a")
+        real = await writer.snapshot()
+        expected = await writer.read(lambda s: s, latest=True)
+    # A manifest pointing past the end of the data topic: its chunks never arrived.
+    ghost = SnapshotManifest(
+        **{
+            **_fields(real),
+            "snapshot_id": "f" * 32,
+            "first_chunk_entry": real.first_chunk_entry + 99,
+        }
+    )
+    async with raw_producer(service_url, topic + "-snapshot-index") as producer:
+        await producer.send(encode_manifest(ghost), partition_key="ghost")
+    with caplog.at_level(logging.WARNING, logger="pulsar_state"):
+        async with counter_manager(service_url, topic, admin_url, **json_state) as replica:
+            assert replica.stats.snapshot_loaded_position == real.position  # the older one
+            assert await replica.read(lambda s: s) == expected
+    assert "chunks missing" in caplog.text
+
+
+async def test_replica_with_nondeterministic_apply_is_reported(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with counter_manager(service_url, topic, admin_url, **json_state) as writer:
+        await write_increments(writer, 8, "a")
+        await writer.snapshot()
+
+    def drifting_apply(state: Counter, op: dict[str, Any]) -> None:
+        apply_counter(state, op)
+        state["clock"] = time.monotonic()  # differs on every replica
+
+    with caplog.at_level(logging.ERROR, logger="pulsar_state"):
+        async with counter_manager(
+            service_url, topic, admin_url, apply=drifting_apply, load_snapshot=False, **json_state
+        ) as replica:
+            assert replica.stats.determinism_failures == 1
+    assert "DETERMINISM CHECK FAILED" in caplog.text
+
+
+class BlobCodec:
+    """dict[str, bytes] <-> length-prefixed binary, for big states without JSON overhead."""
+
+    def encode(self, state: dict[str, bytes]) -> bytes:
+        parts = []
+        for key in sorted(state):
+            raw = key.encode()
+            parts += [struct.pack(">II", len(raw), len(state[key])), raw, state[key]]
+        return b"".join(parts)
+
+    def decode(self, data: bytes) -> dict[str, bytes]:
+        state, offset, view = {}, 0, memoryview(data)
+        while offset < len(data):
+            key_len, value_len = struct.unpack_from(">II", data, offset)
+            offset += 8
+            key = bytes(view[offset : offset + key_len]).decode()
+            offset += key_len
+            state[key] = bytes(view[offset : offset + value_len])
+            offset += value_len
+        return state
+
+
+class BlobOpCodec:
+    def encode(self, op: tuple[str, bytes]) -> bytes:
+        return op[0].encode() + b"\x00" + op[1]
+
+    def decode(self, data: bytes) -> tuple[str, bytes]:
+        key, _, value = data.partition(b"\x00")
+        return key.decode(), value
+
+
+def apply_blob(state: dict[str, bytes], op: tuple[str, bytes]) -> None:
+    state[op[0]] = op[1]
+
+
+@pytest.mark.slow
+async def test_100_mb_state_round_trips(service_url: str, admin_url: str, topic: str) -> None:
+    options: dict[str, Any] = {
+        "initial_state": dict,
+        "apply": apply_blob,
+        "codec": BlobOpCodec(),
+        "snapshot_codec": BlobCodec(),
+        "copy_state": dict.copy,  # values are immutable bytes: a shallow copy is enough
+        "write_timeout_s": 120,
+        "open_timeout_s": 300,
+    }
+    value_size, count = 800_000, 126  # about 100 MB in one state
+    async with counter_manager(service_url, topic, admin_url, **options) as writer:
+        for start in range(0, count, 6):
+            await asyncio.gather(
+                *(
+                    writer.write(
+                        lambda s, i=i: [(f"k{i:04d}", os.urandom(16) * (value_size // 16))]
+                    )
+                    for i in range(start, min(count, start + 6))
+                )
+            )
+        manifest = await writer.snapshot(timeout=300)
+        digest = await writer.read(lambda s: BlobCodec().encode(s))
+    assert manifest.size >= 100_000_000
+    assert manifest.chunks >= 96
+    async with counter_manager(service_url, topic, admin_url, **options) as replica:
+        assert replica.stats.snapshot_loaded_position == count
+        assert await replica.read(lambda s: BlobCodec().encode(s)) == digest
+
+
+@pytest.mark.slow
+async def test_process_killed_during_snapshot_loses_nothing(
+    broker: Broker, topic: str, tmp_path: Path
+) -> None:
+    """A snapshotting process dies half-way: no manifest, so nothing uses the partial one."""
+    script = tmp_path / "snapshotter.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        "from tests.core.helpers import counter_manager, incr\n"
+        "from pulsar_state import JsonCodec\n"
+        "async def main():\n"
+        f"    async with counter_manager({broker.service_url!r}, {topic!r}, {broker.admin_url!r},"
+        " snapshot_codec=JsonCodec(), snapshot_chunk_bytes=8192, write_timeout_s=120) as m:\n"
+        "        await m.write(lambda s: [incr('first')])\n"
+        "        await m.snapshot()\n"
+        "        for i in range(20):\n"
+        "            pad = {'op': 'set', 'key': f'pad{i}', 'value': 'x' * 900_000}\n"
+        "            await m.write(lambda s, pad=pad: [pad])\n"
+        "        await m.write(lambda s: [incr('second')])\n"
+        "        print('snapshotting', flush=True)\n"
+        "        await m.snapshot(timeout=120)\n"
+        "        print('done', flush=True)\n"
+        "asyncio.run(main())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once; the test waits on its output
+        [sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "snapshotting"
+    await asyncio.sleep(0.2)  # some of its ~2,200 chunks are out, not all
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    async with counter_manager(
+        broker.service_url, topic, broker.admin_url, **json_state
+    ) as replica:
+        assert replica.stats.snapshot_loaded_position == 1  # the complete, older one
+        state = await replica.read(lambda s: s)
+        assert state["count"] == 2
+        assert state["seen"] == {"first": 1, "second": 1}
+        assert all(len(state[f"pad{i}"]) == 900_000 for i in range(20))
