@@ -1,17 +1,22 @@
 """The wire format of a record: the one message that carries one or more writes.
 
-A record is ``MAGIC`` (4 bytes: ``PSR`` and a format version), an Avro body (fastavro,
-schemaless) and a CRC-32 of everything before it (4 bytes, big-endian), so that a damaged
-message is refused rather than decoded into a plausible but wrong record. The body::
+A record is ``MAGIC`` (4 bytes: ``PSR`` and a format version), a body, and a CRC-32 of
+everything before it (4 bytes, big-endian), so that a damaged message is refused rather than
+decoded into a plausible but wrong record. The body, all integers big-endian::
 
-    Record {
-        writer_id: string      who sent it (one id per manager instance)
-        record_seq: long       per-writer counter; (writer_id, record_seq) is the record id
-        base_position: long    how many records the writer's state had accepted
-        base_record_id: string the id of the last record accepted at that point ("" if none)
-        writes: [ Write { write_seq: long, ops: [bytes] } ]   group commit: many writes, all or none
-        meta: {string: string} extension point; unknown keys are ignored
-    }
+    record_seq: i64, base_position: i64, len(writer_id): u16, len(base_record_id): u16,
+    writes: u32, then writer_id and base_record_id (UTF-8), then for each write:
+        write_seq: i64, ops: u32, then for each op: length u32 and its bytes,
+    then meta: count u16 and for each entry: key length u16, value length u32, key, value.
+
+``writer_id`` sent the record (one id per manager instance); ``(writer_id, record_seq)`` is
+the record id; ``base_position`` and ``base_record_id`` are how many records the writer's
+state had accepted and the last of them; each write holds the ops of one generator run
+(group commit: many writes, all applied or none); ``meta`` is an extension point.
+
+A hand-written layout rather than fastavro: this header is on every record's hot path, and
+struct is about five times faster here. fastavro stays for ops and values, which carry user
+schemas.
 
 A replica accepts a record only if ``base_position`` and ``base_record_id`` match its own
 count of accepted records and its last accepted record id. That compare-and-set, checked the
@@ -20,13 +25,9 @@ same way by every replica, makes a stale or fenced writer harmless whatever the 
 
 from __future__ import annotations
 
-import io
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
-
-import fastavro
 
 from ._errors import CorruptRecordError
 
@@ -47,34 +48,11 @@ __all__ = [
 MAGIC = b"PSR\x01"
 _CRC = struct.Struct(">I")
 
-_SCHEMA = fastavro.parse_schema(
-    {
-        "type": "record",
-        "name": "Record",
-        "namespace": "pulsar_state.v1",
-        "fields": [
-            {"name": "writer_id", "type": "string"},
-            {"name": "record_seq", "type": "long"},
-            {"name": "base_position", "type": "long"},
-            {"name": "base_record_id", "type": "string"},
-            {
-                "name": "writes",
-                "type": {
-                    "type": "array",
-                    "items": {
-                        "type": "record",
-                        "name": "Write",
-                        "fields": [
-                            {"name": "write_seq", "type": "long"},
-                            {"name": "ops", "type": {"type": "array", "items": "bytes"}},
-                        ],
-                    },
-                },
-            },
-            {"name": "meta", "type": {"type": "map", "values": "string"}, "default": {}},
-        ],
-    }
-)
+_HEAD = struct.Struct(">qqHHI")
+_WRITE = struct.Struct(">qI")
+_U32 = struct.Struct(">I")
+_META = struct.Struct(">HI")
+_U16 = struct.Struct(">H")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,22 +84,27 @@ def write_id(writer_id: str, write_seq: int) -> str:
 
 
 def encode_record(record: Record) -> bytes:
-    buffer = io.BytesIO()
-    buffer.write(MAGIC)
-    fastavro.schemaless_writer(
-        buffer,
-        _SCHEMA,
-        {
-            "writer_id": record.writer_id,
-            "record_seq": record.record_seq,
-            "base_position": record.base_position,
-            "base_record_id": record.base_record_id,
-            "writes": [{"write_seq": w.write_seq, "ops": w.ops} for w in record.writes],
-            "meta": record.meta,
-        },
-    )
-    buffer.write(_CRC.pack(zlib.crc32(buffer.getbuffer())))
-    return buffer.getvalue()
+    writer = record.writer_id.encode()
+    base = record.base_record_id.encode()
+    parts = [
+        MAGIC,
+        _HEAD.pack(
+            record.record_seq, record.base_position, len(writer), len(base), len(record.writes)
+        ),
+        writer,
+        base,
+    ]
+    for write in record.writes:
+        parts.append(_WRITE.pack(write.write_seq, len(write.ops)))
+        for op in write.ops:
+            parts.append(_U32.pack(len(op)))
+            parts.append(op)
+    parts.append(_U16.pack(len(record.meta)))
+    for key, value in record.meta.items():
+        raw_key, raw_value = key.encode(), value.encode()
+        parts += [_META.pack(len(raw_key), len(raw_value)), raw_key, raw_value]
+    body = b"".join(parts)
+    return body + _CRC.pack(zlib.crc32(body))
 
 
 def record_overhead(writer_id: str) -> int:
@@ -143,27 +126,44 @@ def decode_record(payload: bytes, *, message_id: str) -> Record:
             f"message {message_id}: damaged pulsar-state record (checksum mismatch)",
             message_id=message_id,
         )
-    buffer = io.BytesIO(payload[:end])
-    buffer.seek(len(MAGIC))
     try:
-        body: Any = fastavro.schemaless_reader(buffer, _SCHEMA, None)
-        if buffer.tell() != end:
-            raise ValueError(f"{end - buffer.tell()} trailing bytes")
-        return Record(
-            writer_id=body["writer_id"],
-            record_seq=body["record_seq"],
-            base_position=body["base_position"],
-            base_record_id=body["base_record_id"],
-            writes=[Write(w["write_seq"], list(w["ops"])) for w in body["writes"]],
-            meta=dict(body["meta"]),
-        )
-    except CorruptRecordError:
-        raise
-    except Exception as exc:  # fastavro raises many types on damaged input
+        record_seq, base_position, writer_len, base_len, count = _HEAD.unpack_from(payload, 4)
+        offset = 4 + _HEAD.size
+        writer_id = payload[offset : offset + writer_len].decode()
+        offset += writer_len
+        base_record_id = payload[offset : offset + base_len].decode()
+        offset += base_len
+        writes = []
+        for _ in range(count):
+            write_seq, ops_count = _WRITE.unpack_from(payload, offset)
+            offset += _WRITE.size
+            ops = []
+            for _ in range(ops_count):
+                (size,) = _U32.unpack_from(payload, offset)
+                offset += 4
+                if offset + size > end:
+                    raise ValueError("op runs past the end of the record")
+                ops.append(payload[offset : offset + size])
+                offset += size
+            writes.append(Write(write_seq, ops))
+        (meta_count,) = _U16.unpack_from(payload, offset)
+        offset += 2
+        meta = {}
+        for _ in range(meta_count):
+            key_len, value_len = _META.unpack_from(payload, offset)
+            offset += _META.size
+            key = payload[offset : offset + key_len].decode()
+            offset += key_len
+            meta[key] = payload[offset : offset + value_len].decode()
+            offset += value_len
+        if offset != end:
+            raise ValueError(f"{end - offset} bytes left over")
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
         raise CorruptRecordError(
             f"message {message_id}: damaged pulsar-state record ({type(exc).__name__}: {exc})",
             message_id=message_id,
         ) from exc
+    return Record(writer_id, record_seq, base_position, base_record_id, writes, meta)
 
 
 # ---------------------------------------------------------------- snapshots

@@ -655,11 +655,11 @@ class SharedStateManager(Generic[S, Op]):
         self._queue.append(pending)
         self._wake.set()
         try:
-            return await asyncio.wait_for(asyncio.shield(pending.future), timeout)
+            async with asyncio.timeout(timeout):
+                return await pending.future
         except TimeoutError:
-            if not pending.future.done():
-                self._fail_timeout(pending)
-            return pending.future.result()
+            # The future was cancelled by the timeout: the writer skips it from now on.
+            raise self._timeout_error(pending) from None
 
     async def write_ops(
         self, ops: Sequence[Op], *, timeout: float | None = None
@@ -748,28 +748,45 @@ class SharedStateManager(Generic[S, Op]):
         assert self._reader is not None
         while not self._closed:
             try:
-                message = await self._reader.read_next()
+                batch = await self._reader.read_batch()
             except asyncio.CancelledError:
                 raise
             except PulsarStateError as exc:
                 if self._closed:
                     return
-                # The client reconnects by itself; a failed read is retried after a pause.
-                logger.warning("reading %s failed (%s); retrying", self.topic, exc)
+                # The client reconnects by itself; a reader that failed for good is replaced,
+                # resuming right after the last message this replica has seen.
+                logger.warning("reading %s failed (%s); reopening the reader", self.topic, exc)
                 await asyncio.sleep(0.5)
+                await self._reopen_reader()
                 continue
-            self._on_message(message)
-            if self._halt is not None:
-                return
+            for message in batch:
+                self._on_message(message)
+                if self._halt is not None:
+                    return
 
-    def _on_message(self, message: RawMessage) -> None:
+    async def _reopen_reader(self) -> None:
+        assert self._conn is not None
+        old, topic = self._reader, str(self.topic)
+        try:
+            self._reader = await self._conn.create_reader(
+                topic, name=f"pulsar-state-{self.writer_id}", after=self._read_position
+            )
+        except PulsarStateError as exc:
+            logger.warning("reopening the reader on %s failed: %s", self.topic, exc)
+            return
+        if old is not None:
+            await old.close()
+
+    def _on_message(self, message: RawMessage, record: Record | None = None) -> None:
         if self._read_position is not None and message.position <= self._read_position:
             logger.debug("ignoring redelivered message %s", message.position)
             return
         self.stats.records_read += 1
         self.stats.bytes_read += len(message.payload)
         try:
-            record = decode_record(message.payload, message_id=str(message.position))
+            if record is None:
+                record = decode_record(message.payload, message_id=str(message.position))
             accepted = (
                 record.base_position == self._position
                 and record.base_record_id == self._last_record_id
@@ -1034,19 +1051,17 @@ class SharedStateManager(Generic[S, Op]):
         self._queue = kept
 
     def _fail_timeout(self, pending: _PendingWrite) -> None:
+        pending.future.set_exception(self._timeout_error(pending))
+
+    def _timeout_error(self, pending: _PendingWrite) -> PulsarStateError:
         wid = write_id(self.writer_id, pending.write_seq)
         if pending.outstanding:
-            pending.future.set_exception(
-                WriteOutcomeUnknownError(
-                    f"write {wid} was sent but its outcome was not seen before the timeout; "
-                    "it was applied once or not at all",
-                    write_id=wid,
-                )
+            return WriteOutcomeUnknownError(
+                f"write {wid} was sent but its outcome was not seen before the timeout; "
+                "it was applied once or not at all",
+                write_id=wid,
             )
-        else:
-            pending.future.set_exception(
-                OperationTimeoutError(f"write {wid} timed out; nothing was appended")
-            )
+        return OperationTimeoutError(f"write {wid} timed out; nothing was appended")
 
     async def _acquire_writer(self) -> None:
         assert self._conn is not None
@@ -1247,10 +1262,17 @@ class SharedStateManager(Generic[S, Op]):
         sends = [
             asyncio.ensure_future(producer.send(o.payload, key=o.record.record_id)) for o in records
         ]
-        results = await asyncio.gather(*sends, return_exceptions=True)
+        acked: list[LogPosition] = []
+        failures: list[BaseException] = []
+        for outgoing, send in zip(records, sends, strict=True):
+            try:
+                position = await send
+            except Exception as exc:
+                failures.append(exc)
+                continue
+            acked.append(position)
+            self._apply_on_ack(outgoing, position)
         self.stats.records_sent += len(records)
-        acked = [r for r in results if isinstance(r, LogPosition)]
-        failures = [r for r in results if isinstance(r, BaseException)]
         if acked:
             # Every acked record is settled (accepted or ignored) once the pump passes it.
             await self._bounded(self._wait_log(max(acked)), "reading back the records sent")
@@ -1284,6 +1306,19 @@ class SharedStateManager(Generic[S, Op]):
             if isinstance(error, PulsarStateError):
                 raise error
             raise PulsarStateError(f"send failed: {error}") from error
+
+    def _apply_on_ack(self, outgoing: _OutgoingRecord, position: LogPosition) -> None:
+        """Apply our own acknowledged record at once when it is provably next in the log.
+
+        Entries of a ledger are numbered densely, so a record stored at (L, e) while this
+        replica has read exactly (L, e-1) has nothing before it left unread: handling it now
+        is what the pump would do when the reader delivers it (and the pump then skips it).
+        Otherwise (first entry of a ledger, or the pump is behind) the pump handles it.
+        """
+        last = self._read_position
+        if last is not None and last.ledger == position.ledger and last.entry + 1 == position.entry:
+            message = RawMessage(outgoing.payload, position, outgoing.record.record_id)
+            self._on_message(message, outgoing.record)  # the record we encoded: no need to decode
 
     def _requeue_unseen(self, records: list[_OutgoingRecord]) -> None:
         # They keep their outstanding record ids: if one of those lands later and is accepted,

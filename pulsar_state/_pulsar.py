@@ -6,7 +6,12 @@ a behaviour change (exception classes, defaults) is handled in one place.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import queue
+import threading
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -158,33 +163,110 @@ class StateWriter:
 
 
 class StateReader:
-    """A reader over the whole topic, from the earliest message, in log order."""
+    """A reader over the topic, in log order, delivering messages to the event loop in batches.
+
+    A dedicated thread makes the blocking reads (each async read costs a callback and a loop
+    wake-up per message) and hands over batches through a bounded queue, so a long replay
+    neither floods memory nor wakes the loop once per message. No read is ever cancelled
+    half-way, so no message can be dropped between the client and the replica.
+    """
+
+    _POLL_MS = 100
+    _BATCH = 1000
 
     def __init__(self, reader: Any, topic: str) -> None:
-        self._reader = reader
+        self._async_reader = reader
+        self._reader = reader._reader  # the C++ reader under pulsar.asyncio's wrapper
         self._topic = topic
+        self._loop = asyncio.get_running_loop()
+        self._batches: queue.Queue[list[RawMessage]] = queue.Queue(maxsize=32)
+        self._ready = asyncio.Event()
+        self._pending: deque[RawMessage] = deque()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"pulsar-state-reader-{topic}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        batch: list[RawMessage] = []
+        while not self._stop.is_set():
+            try:
+                # Block while idle; once a batch has started, take only what is already there.
+                msg = self._reader.read_next(0 if batch else self._POLL_MS)
+            except pulsar_exceptions.Timeout:
+                if batch:
+                    self._hand_over(batch)
+                    batch = []
+                continue
+            except Exception as exc:
+                if not self._stop.is_set():
+                    self._error = translate(exc, f"read from {self._topic}")
+                    self._loop.call_soon_threadsafe(self._ready.set)
+                return
+            mid = msg.message_id()
+            batch.append(
+                RawMessage(
+                    payload=msg.data(),
+                    position=LogPosition(mid.ledger_id(), mid.entry_id()),
+                    key=msg.partition_key() or "",
+                )
+            )
+            if len(batch) >= self._BATCH:
+                self._hand_over(batch)
+                batch = []
+
+    def _hand_over(self, batch: list[RawMessage]) -> None:
+        while not self._stop.is_set():
+            try:
+                self._batches.put(batch, timeout=0.1)  # bounded: waits while the loop catches up
+                break
+            except queue.Full:
+                continue
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is reading
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def read_batch(self) -> list[RawMessage]:
+        """The next messages in log order (at least one); waits for them."""
+        if self._pending:
+            batch = list(self._pending)
+            self._pending.clear()
+            return batch
+        while True:
+            try:
+                return self._batches.get_nowait()
+            except queue.Empty:
+                pass
+            if self._error is not None:
+                raise self._error
+            if self._stop.is_set():
+                raise ClosedError(f"reader on {self._topic} is closed")
+            self._ready.clear()
+            try:  # a batch may have arrived between the check and the clear
+                return self._batches.get_nowait()
+            except queue.Empty:
+                await self._ready.wait()
 
     async def read_next(self) -> RawMessage:
-        # Never cancelled by a timeout: a cancelled read_next would drop the message the
-        # client hands back later, and a replica must never skip a record silently.
-        with translate_errors(f"read from {self._topic}"):
-            msg = await self._reader.read_next()
-        mid = msg.message_id()
-        return RawMessage(
-            payload=msg.data(),
-            position=LogPosition(mid.ledger_id(), mid.entry_id()),
-            key=msg.partition_key() or "",
-        )
+        if not self._pending:
+            self._pending.extend(await self.read_batch())
+        return self._pending.popleft()
 
     async def has_message_available(self) -> bool:
         """A hint only (it has had bugs); used where a wrong answer cannot lose data."""
+        if self._pending or not self._batches.empty():
+            return True
         with translate_errors(f"read from {self._topic}"):
-            return bool(await self._reader.has_message_available())
+            return bool(await self._async_reader.has_message_available())
 
     async def close(self) -> None:
+        self._stop.set()
+        self._ready.set()
+        await asyncio.to_thread(self._thread.join, 5.0)
         try:
             with translate_errors(f"close reader on {self._topic}"):
-                await self._reader.close()
+                await self._async_reader.close()
         except PulsarStateError as exc:
             logger.debug("closing reader on %s: %s", self._topic, exc)
 

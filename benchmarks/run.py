@@ -1,0 +1,576 @@
+"""pulsar-state against a raw pulsar-client program, as ratios measured side by side.
+
+    scripts/bench            full run (several minutes)
+    scripts/bench --quick    about a minute; what .ci/run may use as a smoke check
+
+Each metric runs the library and the raw baseline in the same run, on the same broker, with
+the same payload sizes, and reports library / baseline. Writes a table to stdout and
+``benchmarks/results.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pulsar
+import pulsar.asyncio as pulsar_asyncio
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pulsar_state import JsonCodec, SharedStateManager  # noqa: E402
+from tests.support.broker import Broker, provide_broker  # noqa: E402
+
+
+@dataclass
+class Metric:
+    name: str
+    unit: str
+    library: float
+    baseline: float
+    target: str
+    met: bool
+    ratio: float = 0.0
+    note: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def topic(label: str) -> str:
+    return f"persistent://public/default/bench-{label}-{uuid.uuid4().hex[:8]}"
+
+
+def apply_kv(state: dict[str, Any], op: dict[str, Any]) -> None:
+    state[op["k"]] = op["v"]
+
+
+def kv_manager(
+    broker: Broker, name: str, **options: Any
+) -> SharedStateManager[dict[str, Any], Any]:
+    defaults: dict[str, Any] = {
+        "initial_state": dict,
+        "apply": apply_kv,
+        "admin_url": broker.admin_url,
+        "copy_state": dict.copy,
+        "write_timeout_s": 120,
+        "open_timeout_s": 600,
+    }
+    defaults.update(options)
+    return SharedStateManager(broker.service_url, name, **defaults)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class RawClient:
+    """The baseline: what a hand-written pulsar-client program does for the same I/O."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.client = pulsar_asyncio.Client(broker.service_url, operation_timeout_seconds=60)
+
+    async def producer(self, name: str, mode: Any = pulsar.ProducerAccessMode.Exclusive) -> Any:
+        return await self.client.create_producer(
+            name,
+            access_mode=mode,
+            batching_enabled=False,
+            max_pending_messages=10_000,
+            block_if_queue_full=True,
+        )
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+# ---------------------------------------------------------------- metrics
+
+
+async def local_read(broker: Broker, quick: bool) -> Metric:
+    """A local read (no I/O) against a plain dict get."""
+    keys = [f"key-{i}" for i in range(1000)]
+    plain = {k: i for i, k in enumerate(keys)}
+    rounds = 200 if quick else 1000
+
+    def dict_gets() -> float:
+        started = time.perf_counter()
+        for _ in range(rounds):
+            for key in keys:
+                plain.get(key)
+        return rounds * len(keys) / (time.perf_counter() - started)
+
+    try:
+        from recipes import PulsarMap  # type: ignore[attr-defined]
+    except ImportError:
+        PulsarMap = None
+    if PulsarMap is None:
+        return Metric(
+            "local read (map get, no I/O)",
+            "gets/s",
+            0,
+            dict_gets(),
+            ">= 0.5x",
+            False,
+            note="PulsarMap not available",
+        )
+    async with PulsarMap(broker.service_url, topic("local"), admin_url=broker.admin_url) as kv:
+        await kv.put_all({k: i for i, k in enumerate(keys)})
+        best_lib, best_raw = 0.0, 0.0
+        for _ in range(3):
+            started = time.perf_counter()
+            for _ in range(rounds):
+                for key in keys:
+                    kv.get_local(key)
+            best_lib = max(best_lib, rounds * len(keys) / (time.perf_counter() - started))
+            best_raw = max(best_raw, dict_gets())
+    return Metric(
+        "local read (map get, no I/O)",
+        "gets/s",
+        best_lib,
+        best_raw,
+        ">= 0.5x",
+        best_lib / best_raw >= 0.5,
+    )
+
+
+async def pipelined_writes(broker: Broker, quick: bool) -> Metric:
+    """One op per message, 100-byte values, many in flight: records/s vs raw send_async."""
+    count = 2000 if quick else 10_000
+    value = "x" * 100
+    raw = RawClient(broker)
+    try:
+        producer = await raw.producer(topic("raw-pipe"))
+        payload = b"x" * 160  # about the size of the library's record for the same op
+        started = time.perf_counter()
+        await asyncio.gather(*(producer.send(payload) for _ in range(count)))
+        raw_rate = count / (time.perf_counter() - started)
+    finally:
+        await raw.close()
+    async with kv_manager(
+        broker, topic("lib-pipe"), max_writes_per_record=1, max_writes_per_batch=count
+    ) as manager:
+        await manager.write_ops([{"k": "warm", "v": 0}])
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(manager.write_ops([{"k": f"k{i}", "v": value}]) for i in range(count))
+        )
+        lib_rate = count / (time.perf_counter() - started)
+        assert manager.stats.records_sent >= count
+    return Metric(
+        "pipelined writes, one op per message, 100 B",
+        "records/s",
+        lib_rate,
+        raw_rate,
+        ">= 0.8x",
+        lib_rate / raw_rate >= 0.8,
+    )
+
+
+async def group_commit(broker: Broker, quick: bool) -> Metric:
+    """Many concurrent writes packed into few messages: ops/s vs raw messages/s."""
+    count = 5000 if quick else 50_000
+    raw = RawClient(broker)
+    try:
+        producer = await raw.producer(topic("raw-group"))
+        started = time.perf_counter()
+        await asyncio.gather(*(producer.send(b"x" * 160) for _ in range(min(count, 5000))))
+        raw_rate = min(count, 5000) / (time.perf_counter() - started)
+    finally:
+        await raw.close()
+    async with kv_manager(broker, topic("lib-group")) as manager:
+        await manager.write_ops([{"k": "warm", "v": 0}])
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(manager.write_ops([{"k": f"k{i}", "v": "x" * 100}]) for i in range(count))
+        )
+        lib_rate = count / (time.perf_counter() - started)
+        records = manager.stats.records_sent
+    return Metric(
+        "group-commit writes (ops/s vs raw messages/s)",
+        "ops/s",
+        lib_rate,
+        raw_rate,
+        ">= 5x",
+        lib_rate / raw_rate >= 5,
+        details={"records": records, "ops": count},
+    )
+
+
+async def write_latency(broker: Broker, quick: bool) -> list[Metric]:
+    count = 200 if quick else 1000
+    raw = RawClient(broker)
+    try:
+        producer = await raw.producer(topic("raw-lat"))
+        await producer.send(b"warm")
+        raw_lat = []
+        for _ in range(count):
+            started = time.perf_counter()
+            await producer.send(b"x" * 160)
+            raw_lat.append(time.perf_counter() - started)
+    finally:
+        await raw.close()
+    async with kv_manager(broker, topic("lib-lat"), idle_release_s=60, max_hold_s=600) as manager:
+        await manager.write_ops([{"k": "warm", "v": 0}])
+        lib_lat = []
+        for i in range(count):
+            started = time.perf_counter()
+            await manager.write_ops([{"k": f"k{i}", "v": "x" * 100}])
+            lib_lat.append(time.perf_counter() - started)
+    ms = 1000.0
+    p50 = (percentile(lib_lat, 0.5) * ms, percentile(raw_lat, 0.5) * ms)
+    p99 = (percentile(lib_lat, 0.99) * ms, percentile(raw_lat, 0.99) * ms)
+    return [
+        Metric(
+            "single write latency p50",
+            "ms",
+            p50[0],
+            p50[1],
+            "<= raw + 0.1 ms",
+            p50[0] <= p50[1] + 0.1,
+            note="a write returns once the record is read back and applied",
+        ),
+        Metric("single write latency p99", "ms", p99[0], p99[1], "<= 1.2x", p99[0] <= 1.2 * p99[1]),
+    ]
+
+
+async def visibility(broker: Broker, quick: bool) -> Metric:
+    """From the start of a write to the change being applied on another replica."""
+    count = 100 if quick else 500
+    raw = RawClient(broker)
+    try:
+        name = topic("raw-vis")
+        producer = await raw.producer(name)
+        reader = await raw.client.create_reader(name, pulsar.MessageId.latest)
+        raw_lat = []
+        for _ in range(count):
+            started = time.perf_counter()
+            await producer.send(b"x" * 160)
+            await reader.read_next()
+            raw_lat.append(time.perf_counter() - started)
+    finally:
+        await raw.close()
+    name = topic("lib-vis")
+    async with (
+        kv_manager(broker, name, idle_release_s=60) as writer,
+        kv_manager(broker, name) as other,
+    ):
+        seen: asyncio.Queue[float] = asyncio.Queue()
+        other.add_listener(lambda record: seen.put_nowait(time.perf_counter()))
+        await writer.write_ops([{"k": "warm", "v": 0}])
+        await seen.get()
+        lib_lat = []
+        for i in range(count):
+            started = time.perf_counter()
+            await writer.write_ops([{"k": "k", "v": i}])
+            lib_lat.append(await seen.get() - started)
+    p50 = (percentile(lib_lat, 0.5) * 1000, percentile(raw_lat, 0.5) * 1000)
+    return Metric(
+        "visibility on another replica p50",
+        "ms",
+        p50[0],
+        p50[1],
+        "<= raw + 0.2 ms",
+        p50[0] <= p50[1] + 0.2,
+    )
+
+
+async def bootstrap(broker: Broker, quick: bool) -> Metric:
+    """Open (replay everything) vs a raw reader from earliest, 1 KB values."""
+    count = 5000 if quick else 50_000
+    name = topic("boot")
+    value = "v" * 1000
+    async with kv_manager(broker, name, max_writes_per_record=1) as writer:
+        for start in range(0, count, 1000):
+            await asyncio.gather(
+                *(
+                    writer.write_ops([{"k": f"k{i}", "v": value}])
+                    for i in range(start, min(count, start + 1000))
+                )
+            )
+    raw = RawClient(broker)
+    try:
+        reader = await raw.client.create_reader(
+            name, pulsar.MessageId.earliest, receiver_queue_size=2000
+        )
+        started = time.perf_counter()
+        raw_bytes = 0
+        for _ in range(count):
+            raw_bytes += len((await reader.read_next()).data())
+        raw_s = time.perf_counter() - started
+    finally:
+        await raw.close()
+    started = time.perf_counter()
+    async with kv_manager(broker, name) as replica:
+        lib_s = time.perf_counter() - started
+        assert replica.position == count
+        lib_bytes = replica.stats.bytes_read
+    lib_rate, raw_rate = lib_bytes / lib_s / 1e6, raw_bytes / raw_s / 1e6
+    return Metric(
+        "bootstrap replay, 1 KB values",
+        "MB/s",
+        lib_rate,
+        raw_rate,
+        ">= 0.9x and >= 100 MB/s",
+        lib_rate / raw_rate >= 0.9 and lib_rate >= 100,
+        details={"records": count, "library_s": lib_s, "raw_s": raw_s},
+    )
+
+
+async def snapshot_open(broker: Broker, quick: bool) -> Metric:
+    """Open with a snapshot vs a full replay, after many ops on many keys."""
+    keys, ops = (10_000, 100_000) if quick else (100_000, 1_000_000)
+    name = topic("snap")
+    options: dict[str, Any] = {"snapshot_codec": JsonCodec()}
+    async with kv_manager(broker, name, max_writes_per_record=512, **options) as writer:
+        step = 20_000
+        for start in range(0, ops, step):
+            await asyncio.gather(
+                *(
+                    writer.write_ops([{"k": f"k{i % keys}", "v": i}])
+                    for i in range(start, min(ops, start + step))
+                )
+            )
+        await writer.snapshot(timeout=600)
+    started = time.perf_counter()
+    async with kv_manager(broker, name, load_snapshot=False, **options) as full:
+        full_s = time.perf_counter() - started
+        assert full.position > 0
+    started = time.perf_counter()
+    async with kv_manager(broker, name, **options) as snap:
+        snap_s = time.perf_counter() - started
+        assert snap.stats.snapshot_loaded_position is not None
+    return Metric(
+        f"open with snapshot, {keys} keys after {ops} ops",
+        "s",
+        snap_s,
+        full_s,
+        "<= 0.1x",
+        snap_s / full_s <= 0.1,
+        note="baseline: the library's full replay",
+    )
+
+
+async def acquisition(broker: Broker, quick: bool) -> list[Metric]:
+    rounds = 10 if quick else 50
+    raw = RawClient(broker)
+    raw_create, raw_fence = [], []
+    try:
+        for _ in range(rounds):
+            name = topic("raw-acq")
+            started = time.perf_counter()
+            producer = await raw.producer(name)
+            raw_create.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            await raw.producer(name, pulsar.ProducerAccessMode.ExclusiveWithFencing)
+            raw_fence.append(time.perf_counter() - started)
+            del producer
+    finally:
+        await raw.close()
+    lib_first, lib_handover = [], []
+    for _ in range(rounds):
+        name = topic("lib-acq")
+        async with kv_manager(broker, name) as a, kv_manager(broker, name) as b:
+            started = time.perf_counter()
+            await a.write_ops([{"k": "a", "v": 1}])
+            lib_first.append(time.perf_counter() - started)
+            # a holds the writer; closing it hands over to b at once.
+            pending = asyncio.create_task(b.write_ops([{"k": "b", "v": 1}]))
+            await asyncio.sleep(0.02)
+            started = time.perf_counter()
+            await a.aclose()
+            await pending
+            lib_handover.append(time.perf_counter() - started)
+    ms = 1000.0
+    first = (percentile(lib_first, 0.5) * ms, percentile(raw_create, 0.5) * ms)
+    handover = percentile(lib_handover, 0.5) * ms
+    return [
+        Metric(
+            "writer acquisition + first write p50",
+            "ms",
+            first[0],
+            first[1],
+            "<= 1.3x",
+            first[0] <= 1.3 * first[1],
+            note="library: producer + tail capture + catch-up + one write; raw: producer",
+        ),
+        Metric(
+            "handover after clean close p50",
+            "ms",
+            handover,
+            percentile(raw_fence, 0.5) * ms,
+            "p50 <= 30 ms",
+            handover <= 30,
+            note="baseline shown: raw fencing takeover",
+        ),
+    ]
+
+
+WORKER = """
+import asyncio, sys, time
+sys.path.insert(0, {repo!r})
+from benchmarks.run import kv_manager
+from tests.support.broker import Broker
+async def main():
+    broker = Broker({url!r}, {admin!r}, "external")
+    async with kv_manager(broker, {topic!r}) as m:
+        await m.sync()
+        start = time.time()
+        count = 0
+        while time.time() - start < {seconds}:
+            ops = [m.write_ops([{{"k": "{name}", "v": count + i}}]) for i in range(50)]
+            await asyncio.gather(*ops)
+            count += 50
+        print(count / (time.time() - start), flush=True)
+asyncio.run(main())
+"""
+
+
+async def multi_writers(broker: Broker, quick: bool) -> Metric:
+    seconds = 3 if quick else 10
+    results: dict[int, float] = {}
+    for n in (1, 2, 4, 8):
+        name = topic(f"multi{n}")
+        procs = [
+            subprocess.Popen(  # noqa: ASYNC220 - started together, then awaited in threads
+                [
+                    sys.executable,
+                    "-c",
+                    WORKER.format(
+                        repo=str(REPO),
+                        url=broker.service_url,
+                        admin=broker.admin_url,
+                        topic=name,
+                        seconds=seconds,
+                        name=f"w{i}",
+                    ),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(n)
+        ]
+        rates = []
+        for proc in procs:
+            out, _ = await asyncio.to_thread(proc.communicate, timeout=300)
+            rates.append(float(out.strip().splitlines()[-1]))
+        results[n] = sum(rates)
+    worst = min(results[n] / results[1] for n in (2, 4, 8))
+    return Metric(
+        "aggregate writes, 2/4/8 writer processes vs 1",
+        "ops/s",
+        min(results[n] for n in (2, 4, 8)),
+        results[1],
+        ">= 0.8x",
+        worst >= 0.8,
+        details={str(k): v for k, v in results.items()},
+    )
+
+
+# ---------------------------------------------------------------- runner
+
+
+async def run(broker: Broker, quick: bool, only: set[str] | None) -> list[Metric]:
+    suites: list[tuple[str, Callable[[Broker, bool], Awaitable[Metric | list[Metric]]]]] = [
+        ("local", local_read),
+        ("pipelined", pipelined_writes),
+        ("group", group_commit),
+        ("latency", write_latency),
+        ("visibility", visibility),
+        ("bootstrap", bootstrap),
+        ("snapshot", snapshot_open),
+        ("acquisition", acquisition),
+        ("writers", multi_writers),
+    ]
+    metrics: list[Metric] = []
+    for key, suite in suites:
+        if only and key not in only:
+            continue
+        print(f"... {key}", file=sys.stderr, flush=True)
+        result = await suite(broker, quick)
+        for metric in result if isinstance(result, list) else [result]:
+            metric.ratio = metric.library / metric.baseline if metric.baseline else 0.0
+            metrics.append(metric)
+            print(
+                f"    {metric.name}: {metric.library:.3g} vs {metric.baseline:.3g} {metric.unit}"
+                f" ({metric.ratio:.2f}x, {'met' if metric.met else 'MISSED'})",
+                file=sys.stderr,
+            )
+    return metrics
+
+
+def environment() -> dict[str, Any]:
+    def version(package: str) -> str:
+        try:
+            from importlib.metadata import version as v
+
+            return v(package)
+        except Exception:
+            return "?"
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "pulsar_client": version("pulsar-client"),
+        "pulsar_state": version("pulsar-state"),
+        "broker": os.environ.get("PULSAR_VERSION", "4.0.7 (scripts/pulsar-standalone)"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def table(metrics: list[Metric]) -> str:
+    lines = [f"{'metric':<52} {'library':>12} {'baseline':>12} {'ratio':>7}  {'target':<24} met"]
+    for m in metrics:
+        lines.append(
+            f"{m.name:<52} {m.library:>12.4g} {m.baseline:>12.4g} {m.ratio:>6.2f}x"
+            f"  {m.target:<24} {'yes' if m.met else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", nargs="*")
+    parser.add_argument("--pulsar-url", default=os.environ.get("PULSAR_SERVICE_URL"))
+    parser.add_argument("--pulsar-admin-url", default=os.environ.get("PULSAR_ADMIN_URL"))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results.json"))
+    args = parser.parse_args()
+    broker = provide_broker(args.pulsar_url, args.pulsar_admin_url)
+    try:
+        metrics = asyncio.run(run(broker, args.quick, set(args.only) if args.only else None))
+    finally:
+        broker.stop()
+    print(table(metrics))
+    result = {
+        "mode": "quick" if args.quick else "full",
+        "environment": environment(),
+        "metrics": [asdict(m) for m in metrics],
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
