@@ -542,6 +542,19 @@ class SharedStateManager(Generic[S, Op]):
         return self._position
 
     @property
+    def closed(self) -> bool:
+        """True once ``aclose()`` has started."""
+        return self._closed
+
+    def read_local(self, reader: Callable[[S], T]) -> T:
+        """``read(reader)`` without the coroutine: the local state, now, no I/O.
+
+        Call it from the event loop's thread (the pump mutates the state there).
+        """
+        self._check_usable()
+        return reader(self._state)
+
+    @property
     def halted(self) -> PulsarStateError | None:
         """Why this replica stopped applying, or None."""
         return self._halt

@@ -1,3 +1,20 @@
-"""Recipes built on pulsar-state's public API only (as kazoo's recipes are on kazoo's)."""
+"""Recipes built on pulsar-state's public API only (as kazoo's recipes are on kazoo's).
 
-__all__: list[str] = []
+* :class:`PulsarMap` / :class:`SyncPulsarMap`: a replicated key-value map (the PIP's recipe),
+  with versions, compare-and-set and watches.
+"""
+
+from ._map_ops import MapEntry, MapEvent
+from ._map_sync import SyncMapWatch, SyncPulsarMap
+from ._map_watch import MapWatch, WatchOverflowError
+from .map import PulsarMap
+
+__all__ = [
+    "MapEntry",
+    "MapEvent",
+    "MapWatch",
+    "PulsarMap",
+    "SyncMapWatch",
+    "SyncPulsarMap",
+    "WatchOverflowError",
+]

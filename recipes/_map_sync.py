@@ -1,0 +1,371 @@
+"""The blocking PulsarMap: every call forwarded through a BlockingPortal to the async map."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar, cast, overload
+
+from pulsar_state import BlockingPortal, Codec, JsonCodec, ManagerStats, StrCodec
+
+from ._map_ops import MapEntry, MapEvent
+from ._map_watch import MapWatch
+from .map import PulsarMap
+
+__all__ = ["SyncMapWatch", "SyncPulsarMap"]
+
+K = TypeVar("K")
+V = TypeVar("V")
+D = TypeVar("D")
+T = TypeVar("T")
+
+# Added to a call's own timeout for the portal's backstop: the async call enforces the real
+# timeout with a precise error; the backstop only guards against a stuck loop.
+_GRACE_S = 5.0
+# Local-view calls never wait for I/O; this only bounds a stuck loop.
+_LOCAL_TIMEOUT_S = 30.0
+
+
+def _close_on_loop(portal: BlockingPortal, close: Callable[[], None]) -> None:
+    # A watch lives on the portal's loop: close it there, even from a finalizer.
+    with contextlib.suppress(RuntimeError):  # the loop is already closed
+        portal.loop.call_soon_threadsafe(close)
+
+
+class SyncMapWatch(Generic[K, V]):
+    """The blocking twin of :class:`~recipes.MapWatch` (same events, same guarantees).
+
+    Iterate it (``for event in watch``; waits as long as it takes) or call :meth:`next` with a
+    timeout. :meth:`close`, from any thread, ends the iteration.
+    """
+
+    def __init__(self, watch: MapWatch[K, V], portal: BlockingPortal) -> None:
+        self._watch = watch
+        self._portal = portal
+        self._finalizer = weakref.finalize(self, _close_on_loop, portal, watch.close)
+
+    @property
+    def start_position(self) -> int:
+        return self._watch.start_position
+
+    def next(self, *, timeout: float | None = None) -> MapEvent[K, V] | None:
+        """The next event, or None once the watch is closed (OperationTimeoutError after
+        ``timeout`` seconds; None waits as long as it takes)."""
+        return self._portal.call(
+            lambda: self._watch.next(timeout=timeout),
+            timeout=None if timeout is None else timeout + _GRACE_S,
+        )
+
+    def __iter__(self) -> Iterator[MapEvent[K, V]]:
+        return self
+
+    def __next__(self) -> MapEvent[K, V]:
+        event = self.next()
+        if event is None:
+            raise StopIteration
+        return event
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> SyncMapWatch[K, V]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class SyncPulsarMap(Generic[K, V]):
+    """The blocking twin of :class:`~recipes.PulsarMap`, for code that is not async.
+
+    Same arguments (plus an optional shared ``portal``), same methods and guarantees: each call
+    runs the async map's method on the portal's event loop (there is no second copy of the
+    logic). Functions passed in (``update``, ``scan``...) run on the portal's thread::
+
+        with SyncPulsarMap("pulsar://127.0.0.1:6650", "config") as m:
+            m.put("mode", "fast")
+            print(m.get("mode", latest=True), len(m))
+    """
+
+    @overload
+    def __init__(
+        self: SyncPulsarMap[str, Any],
+        pulsar: Any,
+        topic: str,
+        *,
+        key_codec: None = None,
+        value_codec: None = None,
+        portal: BlockingPortal | None = None,
+        **manager_options: Any,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: SyncPulsarMap[str, V],
+        pulsar: Any,
+        topic: str,
+        *,
+        key_codec: None = None,
+        value_codec: Codec[V],
+        portal: BlockingPortal | None = None,
+        **manager_options: Any,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: SyncPulsarMap[K, Any],
+        pulsar: Any,
+        topic: str,
+        *,
+        key_codec: Codec[K],
+        value_codec: None = None,
+        portal: BlockingPortal | None = None,
+        **manager_options: Any,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        pulsar: Any,
+        topic: str,
+        *,
+        key_codec: Codec[K],
+        value_codec: Codec[V],
+        portal: BlockingPortal | None = None,
+        **manager_options: Any,
+    ) -> None: ...
+
+    def __init__(
+        self,
+        pulsar: Any,
+        topic: str,
+        *,
+        key_codec: Codec[Any] | None = None,
+        value_codec: Codec[Any] | None = None,
+        portal: BlockingPortal | None = None,
+        **manager_options: Any,
+    ) -> None:
+        self._map: PulsarMap[K, V] = PulsarMap(
+            pulsar,
+            topic,
+            key_codec=cast(Codec[K], key_codec if key_codec is not None else StrCodec()),
+            value_codec=cast(Codec[V], value_codec if value_codec is not None else JsonCodec()),
+            **manager_options,
+        )
+        self._owns_portal = portal is None
+        self._portal = portal if portal is not None else BlockingPortal()
+
+    @property
+    def async_map(self) -> PulsarMap[K, V]:
+        """The async map underneath (use it only from the portal's loop)."""
+        return self._map
+
+    @property
+    def portal(self) -> BlockingPortal:
+        return self._portal
+
+    @property
+    def topic(self) -> str:
+        return self._map.topic
+
+    @property
+    def position(self) -> int:
+        return self._map.position
+
+    @property
+    def stats(self) -> ManagerStats:
+        return self._map.stats
+
+    def _call(self, fn: Callable[[], Awaitable[T]], timeout: float | None, default: float) -> T:
+        return self._portal.call(fn, timeout=(default if timeout is None else timeout) + _GRACE_S)
+
+    def _read(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+        return self._call(fn, timeout, self._map.manager.read_timeout_s)
+
+    def _write(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+        return self._call(fn, timeout, self._map.manager.write_timeout_s)
+
+    def _local(self, fn: Callable[[], T]) -> T:
+        async def run() -> T:
+            return fn()
+
+        return self._portal.call(run, timeout=_LOCAL_TIMEOUT_S)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self, *, timeout: float | None = None) -> SyncPulsarMap[K, V]:
+        self._call(
+            lambda: self._map.open(timeout=timeout), timeout, self._map.manager.open_timeout_s
+        )
+        return self
+
+    def close(self) -> None:
+        try:
+            self._portal.call(self._map.aclose, timeout=30.0)
+        finally:
+            if self._owns_portal:
+                self._portal.stop()
+
+    def __enter__(self) -> SyncPulsarMap[K, V]:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def sync(self, *, timeout: float | None = None) -> int:
+        return self._read(lambda: self._map.sync(timeout=timeout), timeout)
+
+    def wait_for(self, position: int, *, timeout: float | None = None) -> None:
+        self._read(lambda: self._map.wait_for(position, timeout=timeout), timeout)
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, key: K, *, latest: bool = False, timeout: float | None = None) -> V | None:
+        return self._read(lambda: self._map.get(key, latest=latest, timeout=timeout), timeout)
+
+    def get_or_default(
+        self, key: K, default: D, *, latest: bool = False, timeout: float | None = None
+    ) -> V | D:
+        return self._read(
+            lambda: self._map.get_or_default(key, default, latest=latest, timeout=timeout),
+            timeout,
+        )
+
+    def scan(
+        self,
+        filter: Callable[[K], bool],
+        processor: Callable[[K, V], object],
+        *,
+        latest: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        return self._read(
+            lambda: self._map.scan(filter, processor, latest=latest, timeout=timeout), timeout
+        )
+
+    def list_keys(self, *, latest: bool = False, timeout: float | None = None) -> list[K]:
+        return self._read(lambda: self._map.list_keys(latest=latest, timeout=timeout), timeout)
+
+    def version(self, key: K, *, latest: bool = False, timeout: float | None = None) -> int:
+        return self._read(lambda: self._map.version(key, latest=latest, timeout=timeout), timeout)
+
+    def entry(
+        self, key: K, *, latest: bool = False, timeout: float | None = None
+    ) -> MapEntry[V] | None:
+        return self._read(lambda: self._map.entry(key, latest=latest, timeout=timeout), timeout)
+
+    def range(
+        self,
+        from_key: K | None,
+        to_key: K | None,
+        *,
+        latest: bool = False,
+        timeout: float | None = None,
+    ) -> list[tuple[K, V]]:
+        return self._read(
+            lambda: self._map.range(from_key, to_key, latest=latest, timeout=timeout), timeout
+        )
+
+    def all(self, *, latest: bool = False, timeout: float | None = None) -> list[tuple[K, V]]:
+        return self._read(lambda: self._map.all(latest=latest, timeout=timeout), timeout)
+
+    # ------------------------------------------------------------------ the local view
+
+    def __len__(self) -> int:
+        return self._local(self._map.__len__)
+
+    def __contains__(self, key: object) -> bool:
+        return self._local(lambda: key in self._map)
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self.keys())
+
+    def keys(self) -> list[K]:
+        return self._local(self._map.keys)
+
+    def values(self) -> list[V]:
+        return self._local(self._map.values)
+
+    def items(self) -> list[tuple[K, V]]:
+        return self._local(self._map.items)
+
+    @overload
+    def get_local(self, key: K) -> V | None: ...
+
+    @overload
+    def get_local(self, key: K, default: D) -> V | D: ...
+
+    def get_local(self, key: K, default: D | None = None) -> V | D | None:
+        return self._local(lambda: self._map.get_local(key, default))
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, key: K, value: V, *, timeout: float | None = None) -> int:
+        return self._write(lambda: self._map.put(key, value, timeout=timeout), timeout)
+
+    def put_all(
+        self, entries: Mapping[K, V] | Iterable[tuple[K, V]], *, timeout: float | None = None
+    ) -> int:
+        return self._write(lambda: self._map.put_all(entries, timeout=timeout), timeout)
+
+    def delete(self, key: K, *, timeout: float | None = None) -> bool:
+        return self._write(lambda: self._map.delete(key, timeout=timeout), timeout)
+
+    def clear(self, *, timeout: float | None = None) -> int:
+        return self._write(lambda: self._map.clear(timeout=timeout), timeout)
+
+    def update(
+        self, key: K, fn: Callable[[K, V | None], V | None], *, timeout: float | None = None
+    ) -> V | None:
+        return self._write(lambda: self._map.update(key, fn, timeout=timeout), timeout)
+
+    def update_multiple(
+        self,
+        filter: Callable[[K], bool],
+        fn: Callable[[K, V], V | None],
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        return self._write(lambda: self._map.update_multiple(filter, fn, timeout=timeout), timeout)
+
+    def replace(
+        self, key: K, expected: V | None, value: V | None, *, timeout: float | None = None
+    ) -> bool:
+        return self._write(
+            lambda: self._map.replace(key, expected, value, timeout=timeout), timeout
+        )
+
+    def replace_version(
+        self,
+        key: K,
+        expected_version: int | None,
+        value: V | None,
+        *,
+        timeout: float | None = None,
+    ) -> bool:
+        return self._write(
+            lambda: self._map.replace_version(key, expected_version, value, timeout=timeout),
+            timeout,
+        )
+
+    def put_if_absent(self, key: K, value: V, *, timeout: float | None = None) -> V:
+        return self._write(lambda: self._map.put_if_absent(key, value, timeout=timeout), timeout)
+
+    # ------------------------------------------------------------------ watches
+
+    def changes(
+        self,
+        *,
+        key: K | None = None,
+        prefix: str | bytes | None = None,
+        snapshot: bool = True,
+        max_queue: int = 10_000,
+    ) -> SyncMapWatch[K, V]:
+        """As :meth:`PulsarMap.changes`, as a blocking iterator."""
+        watch = self._local(
+            lambda: self._map.changes(
+                key=key, prefix=prefix, snapshot=snapshot, max_queue=max_queue
+            )
+        )
+        return SyncMapWatch(watch, self._portal)

@@ -1,0 +1,638 @@
+"""PulsarMap: a key-value map replicated through one Pulsar topic (the PIP's recipe).
+
+:Status: Beta. Built only on ``pulsar_state``'s public API.
+
+Every process holding a :class:`PulsarMap` on a topic keeps the whole map in memory and reads
+it locally; every change is a write to the topic, applied by every replica in log order. It has
+the PIP's ``PulsarMap`` methods (async), a local view with no I/O (``len(m)``, ``key in m``,
+``m.items()``...), Samza's ``put_all``/``range``/``all``, per-key versions with compare-and-set,
+and watches (:meth:`PulsarMap.changes`).
+
+Guarantees (from the core, see its README):
+
+* A write is atomic: all the changes of one call (``put_all``, ``update_multiple``, ``clear``)
+  are seen together by every replica, or not at all; never half of them.
+* Conditional writes (``update``, ``replace``, ``replace_version``, ``put_if_absent``,
+  ``delete``) decide on the up-to-date map, under the topic's exclusive writer; a decision made
+  on a stale map is never applied (the write is recomputed), so compare-and-set is exact.
+* A call returns after its write is applied locally: the local view shows it at once. Reads
+  with ``latest=True`` are linearizable; reads without it are local and never wait.
+* Bad input fails before anything is sent: a key or value its codec cannot encode raises
+  :class:`~pulsar_state.CodecError` and leaves the map unchanged. A key or value on the topic
+  that this replica's codecs cannot decode halts the replica at the last good state
+  (:class:`~pulsar_state.ReplicaHaltedError` from every call, caused by
+  :class:`~pulsar_state.CorruptRecordError`).
+
+Failure semantics: a write that times out before anything was sent raises
+:class:`~pulsar_state.OperationTimeoutError` (retry freely); one sent but not seen in time raises
+:class:`~pulsar_state.WriteOutcomeUnknownError` (applied once or not at all: read with
+``latest=True`` to tell).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar, cast, overload
+
+from pulsar_state import (
+    ClosedError,
+    Codec,
+    ConfigurationError,
+    JsonCodec,
+    ManagerStats,
+    ReplicaHaltedError,
+    SharedStateManager,
+    StrCodec,
+    WriteResult,
+)
+
+from ._map_ops import (
+    KEY_TYPES,
+    MapCodecs,
+    MapEntry,
+    MapEvent,
+    MapOp,
+    MapOpCodec,
+    MapState,
+    detached,
+)
+from ._map_watch import MapWatch, WatchHub
+
+__all__ = ["PulsarMap"]
+
+K = TypeVar("K")
+V = TypeVar("V")
+D = TypeVar("D")
+T = TypeVar("T")
+
+# SharedStateManager options that PulsarMap sets itself.
+_RESERVED_OPTIONS = frozenset({"initial_state", "apply", "codec", "copy_state", "begin_record"})
+_CLEAR: MapOp[Any, Any] = MapOp("CLEAR")
+
+
+def _new_tag() -> bytes:
+    # Marks the op of one conditional call; 64 random bits never collide in practice.
+    return os.urandom(8)
+
+
+class PulsarMap(Generic[K, V]):
+    """A replicated map from keys ``K`` to values ``V`` on one Pulsar topic.
+
+    ::
+
+        async with PulsarMap("pulsar://127.0.0.1:6650", "config") as m:
+            await m.put("mode", "fast")
+            await m.update("hits", lambda key, hits: (hits or 0) + 1)
+            if await m.replace("mode", "fast", "safe"):   # compare-and-set
+                ...
+            print(len(m), m.get_local("mode"))            # local view, no I/O
+            async with m.changes(prefix="mode") as watch:
+                async for event in watch:
+                    print(event.kind, event.key, event.value)
+
+    Args:
+        pulsar: a service URL or a ``pulsar.asyncio.Client`` (as for ``SharedStateManager``).
+        topic: the map's topic (non-partitioned, keeps its history).
+        key_codec: encodes keys (default :class:`~pulsar_state.StrCodec`). Keys must decode to
+            ``str``, ``bytes`` or ``int`` (so JSON keys are str or int).
+        value_codec: encodes values (default :class:`~pulsar_state.JsonCodec`); for example
+            :class:`~pulsar_state.AvroCodec` for schema-checked records.
+        **manager_options: passed to :class:`~pulsar_state.SharedStateManager` (``admin_url``,
+            timeouts, ``name``, ...); not ``initial_state``/``apply``/``codec``/``copy_state``/
+            ``begin_record``, which the map sets.
+
+    Keys and values are stored as every replica decodes them (``decode(encode(x))``): a tuple
+    stored through JSON reads back as a list. ``None`` means "absent" and is never stored.
+    Values handed out (by reads, to ``update`` functions, in watch events) are the caller's own
+    copies. Key order, used by ``list_keys``/``range``/``all``/``scan`` and the local view, is
+    each key type's ``<``: str by code point (the same as UTF-8 byte order), bytes by unsigned
+    byte, ints numerically (mixed types: ints, then bytes, then str).
+
+    Versions: a key's version is the position of the write that last changed it (the
+    ``position`` of that write's record, 1 for the first record on the topic), the same on every
+    replica; an absent key has version 0. A watch reports every change (see :meth:`changes`).
+    """
+
+    @overload
+    def __init__(
+        self: PulsarMap[str, Any],
+        pulsar: Any,
+        topic: str,
+        *,
+        key_codec: None = None,
+        value_codec: None = None,
+        **manager_options: Any,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: PulsarMap[str, V],
+        pulsar: Any,
+        topic: str,
+        *,
+        key_codec: None = None,
+        value_codec: Codec[V],
+        **manager_options: Any,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: PulsarMap[K, Any],
+        pulsar: Any,
+        topic: str,
+        *,
+        key_codec: Codec[K],
+        value_codec: None = None,
+        **manager_options: Any,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        pulsar: Any,
+        topic: str,
+        *,
+        key_codec: Codec[K],
+        value_codec: Codec[V],
+        **manager_options: Any,
+    ) -> None: ...
+
+    def __init__(
+        self,
+        pulsar: Any,
+        topic: str,
+        *,
+        key_codec: Codec[Any] | None = None,
+        value_codec: Codec[Any] | None = None,
+        **manager_options: Any,
+    ) -> None:
+        reserved = sorted(_RESERVED_OPTIONS & manager_options.keys())
+        if reserved:
+            raise ConfigurationError(f"PulsarMap sets {', '.join(reserved)} itself")
+        self._codecs: MapCodecs[K, V] = MapCodecs(
+            cast(Codec[K], key_codec if key_codec is not None else StrCodec()),
+            cast(Codec[V], value_codec if value_codec is not None else JsonCodec()),
+        )
+        state: MapState[K, V] = MapState()
+        self._state = state
+        # apply mutates the state in place, so the manager keeps this very object: the local
+        # view reads it directly, with no I/O.
+        self._manager: SharedStateManager[MapState[K, V], MapOp[K, V]] = SharedStateManager(
+            pulsar,
+            topic,
+            initial_state=lambda: state,
+            apply=MapState.apply,
+            codec=MapOpCodec(self._codecs),
+            copy_state=MapState.copy,  # shallow: entries are immutable
+            begin_record=MapState.begin,
+            **manager_options,
+        )
+        self._watches = WatchHub(state, self._manager)
+        self._opened = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self, *, timeout: float | None = None) -> None:
+        """Connect and replay the topic up to its tail as of now."""
+        if self._closed:
+            raise ClosedError(f"map on {self.topic} is closed")
+        await self._manager.open(timeout=timeout)
+        self._opened = True
+
+    async def aclose(self, *, timeout: float = 10.0) -> None:
+        """Close: end open watches (they raise ClosedError), release the writer, disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._watches.aclose()
+        await self._manager.aclose(timeout=timeout)
+
+    async def __aenter__(self) -> PulsarMap[K, V]:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def topic(self) -> str:
+        return str(self._manager.topic)
+
+    @property
+    def position(self) -> int:
+        """How many records this replica has applied: the map's version."""
+        return self._manager.position
+
+    @property
+    def stats(self) -> ManagerStats:
+        return self._manager.stats
+
+    @property
+    def manager(self) -> SharedStateManager[MapState[K, V], MapOp[K, V]]:
+        """The SharedStateManager underneath (for monitoring; write through the map)."""
+        return self._manager
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClosedError(f"map on {self.topic} is closed")
+        if not self._opened:
+            raise ClosedError(f"map on {self.topic} is not open: use `async with` or open()")
+        halted = self._manager.halted
+        if halted is not None:
+            error = ReplicaHaltedError(
+                f"replica of {self.topic} stopped at position {self.position}: {halted}",
+                position=self.position,
+            )
+            error.__cause__ = halted
+            raise error
+
+    async def sync(self, *, timeout: float | None = None) -> int:
+        """Catch up with the topic's tail as of now; returns the position reached."""
+        self._check_usable()
+        return await self._manager.sync(timeout=timeout)
+
+    async def wait_for(self, position: int, *, timeout: float | None = None) -> None:
+        """Wait until this replica has applied ``position`` (a write's version elsewhere)."""
+        self._check_usable()
+        await self._manager.wait_for(position, timeout=timeout)
+
+    # ------------------------------------------------------------------ reads (PIP)
+
+    async def _read(
+        self, reader: Callable[[MapState[K, V]], T], latest: bool, timeout: float | None
+    ) -> T:
+        self._check_usable()
+        return await self._manager.read(reader, latest=latest, timeout=timeout)
+
+    async def get(self, key: K, *, latest: bool = False, timeout: float | None = None) -> V | None:
+        """The value bound to ``key``, or None.
+
+        ``latest=False`` reads the local replica (no I/O); ``latest=True`` first catches up
+        with the tail of the topic as of the call (linearizable).
+        """
+        return await self.get_or_default(key, None, latest=latest, timeout=timeout)
+
+    async def get_or_default(
+        self, key: K, default: D, *, latest: bool = False, timeout: float | None = None
+    ) -> V | D:
+        """The value bound to ``key``, or ``default``."""
+
+        def lookup(state: MapState[K, V]) -> V | D:
+            entry = state.entries.get(key)
+            return default if entry is None else detached(entry.value)
+
+        return await self._read(lookup, latest, timeout)
+
+    async def scan(
+        self,
+        filter: Callable[[K], bool],
+        processor: Callable[[K, V], object],
+        *,
+        latest: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Call ``processor(key, value)`` for each key that ``filter(key)`` accepts.
+
+        Keys are visited in key order, all on one consistent state, synchronously on the event
+        loop (keep both functions short). Returns how many entries were processed.
+        """
+
+        def run(state: MapState[K, V]) -> int:
+            matching = state.matching(filter)
+            for key, entry in matching:
+                processor(key, detached(entry.value))
+            return len(matching)
+
+        return await self._read(run, latest, timeout)
+
+    async def list_keys(self, *, latest: bool = False, timeout: float | None = None) -> list[K]:
+        """All keys, in key order."""
+        return await self._read(lambda state: list(state.sorted_keys()), latest, timeout)
+
+    async def version(self, key: K, *, latest: bool = False, timeout: float | None = None) -> int:
+        """The position of the write that last changed ``key``; 0 if it is absent."""
+
+        def lookup(state: MapState[K, V]) -> int:
+            entry = state.entries.get(key)
+            return 0 if entry is None else entry.version
+
+        return await self._read(lookup, latest, timeout)
+
+    async def entry(
+        self, key: K, *, latest: bool = False, timeout: float | None = None
+    ) -> MapEntry[V] | None:
+        """The value and version of ``key`` read together, or None if absent."""
+
+        def lookup(state: MapState[K, V]) -> MapEntry[V] | None:
+            entry = state.entries.get(key)
+            return None if entry is None else MapEntry(detached(entry.value), entry.version)
+
+        return await self._read(lookup, latest, timeout)
+
+    # ------------------------------------------------------------------ reads (Samza)
+
+    async def range(
+        self,
+        from_key: K | None,
+        to_key: K | None,
+        *,
+        latest: bool = False,
+        timeout: float | None = None,
+    ) -> list[tuple[K, V]]:
+        """The entries with ``from_key <= key < to_key``, in key order (None: unbounded).
+
+        A list taken from one consistent state (not a lazy iterator).
+        """
+        for bound in (from_key, to_key):
+            if bound is not None and type(bound) not in KEY_TYPES:
+                raise ConfigurationError(
+                    f"range bounds are keys (str, bytes or int), not {type(bound).__name__}"
+                )
+
+        def run(state: MapState[K, V]) -> list[tuple[K, V]]:
+            return [(k, detached(v)) for k, v in state.items_between(from_key, to_key)]
+
+        return await self._read(run, latest, timeout)
+
+    async def all(self, *, latest: bool = False, timeout: float | None = None) -> list[tuple[K, V]]:
+        """Every entry, in key order, from one consistent state."""
+        return await self.range(None, None, latest=latest, timeout=timeout)
+
+    # ------------------------------------------------------------------ the local view
+
+    def __len__(self) -> int:
+        """How many keys the local replica holds (no I/O)."""
+        self._check_usable()
+        return len(self._state.entries)
+
+    def __contains__(self, key: object) -> bool:
+        self._check_usable()
+        return key in self._state.entries
+
+    def __iter__(self) -> Iterator[K]:
+        """The local keys in key order (a snapshot)."""
+        return iter(self.keys())
+
+    def keys(self) -> list[K]:
+        """The local keys, in key order (a snapshot)."""
+        self._check_usable()
+        return list(self._state.sorted_keys())
+
+    def values(self) -> list[V]:
+        """The local values, in key order (a snapshot)."""
+        self._check_usable()
+        entries = self._state.entries
+        return [detached(entries[key].value) for key in self._state.sorted_keys()]
+
+    def items(self) -> list[tuple[K, V]]:
+        """The local entries, in key order (a snapshot)."""
+        self._check_usable()
+        entries = self._state.entries
+        return [(key, detached(entries[key].value)) for key in self._state.sorted_keys()]
+
+    @overload
+    def get_local(self, key: K) -> V | None: ...
+
+    @overload
+    def get_local(self, key: K, default: D) -> V | D: ...
+
+    def get_local(self, key: K, default: D | None = None) -> V | D | None:
+        """The locally known value of ``key``, or ``default`` (no I/O)."""
+        self._check_usable()
+        entry = self._state.entries.get(key)
+        return default if entry is None else detached(entry.value)
+
+    # ------------------------------------------------------------------ writes
+
+    async def _write(
+        self,
+        generator: Callable[[MapState[K, V]], list[MapOp[K, V]]],
+        reader: Callable[[MapState[K, V]], T],
+        timeout: float | None,
+    ) -> WriteResult[T]:
+        self._check_usable()
+        return await self._manager.write(generator, reader=reader, timeout=timeout)
+
+    async def _write_blind(self, ops: list[MapOp[K, V]], timeout: float | None) -> int:
+        self._check_usable()
+        return (await self._manager.write_ops(ops, timeout=timeout)).position
+
+    async def put(self, key: K, value: V, *, timeout: float | None = None) -> int:
+        """Bind ``key`` to ``value``; returns the key's new version (the write's position).
+
+        Always writes, even when the value is unchanged. ``value`` must not be None (use
+        :meth:`delete`); a key or value the codecs reject raises CodecError, sending nothing.
+        """
+        return await self._write_blind([self._codecs.put(key, value)], timeout)
+
+    async def put_all(
+        self, entries: Mapping[K, V] | Iterable[tuple[K, V]], *, timeout: float | None = None
+    ) -> int:
+        """Bind several keys in ONE atomic write; returns its position (their new version).
+
+        Takes a mapping or ``(key, value)`` pairs (a repeated key: the last pair wins). Every
+        key and value is encoded before anything is sent. The write must fit in one record
+        (``max_record_bytes``, else RecordTooLargeError).
+        """
+        pairs = entries.items() if isinstance(entries, Mapping) else entries
+        ops = [self._codecs.put(key, value) for key, value in pairs]
+        return await self._write_blind(ops, timeout)
+
+    async def delete(self, key: K, *, timeout: float | None = None) -> bool:
+        """Remove ``key``; returns whether it was bound (so this call removed it)."""
+        norm_key, key_bytes = self._codecs.key(key)
+        tag = _new_tag()
+        op: MapOp[K, V] = MapOp("DELETE", norm_key, None, key_bytes, None, tag)
+
+        def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
+            return [op] if norm_key in state.entries else []
+
+        return (await self._write(generator, lambda s: s.last_tag == tag, timeout)).value
+
+    async def clear(self, *, timeout: float | None = None) -> int:
+        """Remove every key in one write; returns its position. Watches see one clear event."""
+
+        def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
+            return [_CLEAR] if state.entries else []
+
+        return (await self._write(generator, lambda s: None, timeout)).position
+
+    async def update(
+        self, key: K, fn: Callable[[K, V | None], V | None], *, timeout: float | None = None
+    ) -> V | None:
+        """Set ``key`` to ``fn(key, current)`` on the up-to-date map; returns the new value.
+
+        ``current`` is None when the key is absent (and is the caller's own copy: ``fn`` may
+        change and return it). ``fn`` returning None deletes the key. Nothing is written when
+        the result equals the current value. ``fn`` may run more than once (when another
+        process wrote first) and must not have side effects; if it raises, the call raises
+        that error and nothing is written.
+        """
+        norm_key, key_bytes = self._codecs.key(key)
+        codecs = self._codecs
+
+        def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
+            entry = state.entries.get(norm_key)
+            new = fn(norm_key, None if entry is None else detached(entry.value))
+            if new is None:
+                return [] if entry is None else [MapOp("DELETE", norm_key, None, key_bytes)]
+            op = codecs.put_known(norm_key, key_bytes, new)
+            return [] if entry is not None and op.value == entry.value else [op]
+
+        def new_value(state: MapState[K, V]) -> V | None:
+            entry = state.entries.get(norm_key)
+            return None if entry is None else detached(entry.value)
+
+        return (await self._write(generator, new_value, timeout)).value
+
+    async def update_multiple(
+        self,
+        filter: Callable[[K], bool],
+        fn: Callable[[K, V], V | None],
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Apply ``fn(key, value)`` to every key ``filter`` accepts, in ONE atomic write.
+
+        Keys are visited in key order on the up-to-date map, and ``fn`` gets a copy of each
+        value (it may change and return it). ``fn`` returning None deletes the key; keys whose
+        value does not change are not written. Like ``update``, both functions may run more
+        than once and must not have side effects. Returns the write's position.
+        """
+        codecs = self._codecs
+
+        def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
+            ops: list[MapOp[K, V]] = []
+            for key, entry in state.matching(filter):
+                new = fn(key, detached(entry.value))
+                if new is None:
+                    ops.append(MapOp("DELETE", key, None, codecs.key_bytes(key)))
+                    continue
+                op = codecs.put_known(key, codecs.key_bytes(key), new)
+                if op.value != entry.value:
+                    ops.append(op)
+            return ops
+
+        return (await self._write(generator, lambda s: None, timeout)).position
+
+    async def replace(
+        self, key: K, expected: V | None, value: V | None, *, timeout: float | None = None
+    ) -> bool:
+        """Compare-and-set on the value: bind ``key`` to ``value`` only if its current value
+        equals ``expected``. Returns whether it did (True: this call's write changed the key).
+
+        ``expected=None`` means "only if absent"; ``value=None`` deletes the key. Values are
+        compared after normalisation through the codec, with ``==``.
+        """
+        norm_key, key_bytes = self._codecs.key(key)
+        wanted = None if expected is None else self._codecs.value(expected)[0]
+        tag = _new_tag()
+        op = self._conditional_op(norm_key, key_bytes, value, tag)
+
+        def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
+            entry = state.entries.get(norm_key)
+            return [op] if (None if entry is None else entry.value) == wanted else []
+
+        return (await self._write(generator, lambda s: s.last_tag == tag, timeout)).value
+
+    async def replace_version(
+        self,
+        key: K,
+        expected_version: int | None,
+        value: V | None,
+        *,
+        timeout: float | None = None,
+    ) -> bool:
+        """Compare-and-set on the version: bind ``key`` to ``value`` only if its version is
+        ``expected_version`` (0 or None: only if absent). Returns whether it did.
+
+        ``value=None`` deletes the key. The new version is this write's position; read it
+        with :meth:`version`.
+        """
+        norm_key, key_bytes = self._codecs.key(key)
+        wanted = expected_version or 0
+        tag = _new_tag()
+        op = self._conditional_op(norm_key, key_bytes, value, tag)
+
+        def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
+            entry = state.entries.get(norm_key)
+            return [op] if (0 if entry is None else entry.version) == wanted else []
+
+        return (await self._write(generator, lambda s: s.last_tag == tag, timeout)).value
+
+    def _conditional_op(self, key: K, key_bytes: bytes, value: V | None, tag: bytes) -> MapOp[K, V]:
+        if value is None:
+            return MapOp("DELETE", key, None, key_bytes, None, tag)
+        return self._codecs.put_known(key, key_bytes, value, tag=tag)
+
+    async def put_if_absent(self, key: K, value: V, *, timeout: float | None = None) -> V:
+        """Bind ``key`` to ``value`` if it is absent; returns the value bound now either way.
+
+        The returned value equals ``value`` (normalised) when this call bound it, or is the
+        value already there (like ``dict.setdefault``). For a plain "did I win?" use
+        ``replace(key, None, value)``.
+        """
+        op = self._codecs.put(key, value)
+        norm_key = cast(K, op.key)
+
+        def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
+            return [] if norm_key in state.entries else [op]
+
+        def bound(state: MapState[K, V]) -> V:
+            return detached(state.entries[norm_key].value)
+
+        return (await self._write(generator, bound, timeout)).value
+
+    # ------------------------------------------------------------------ watches
+
+    def changes(
+        self,
+        *,
+        key: K | None = None,
+        prefix: str | bytes | None = None,
+        snapshot: bool = True,
+        max_queue: int = 10_000,
+    ) -> MapWatch[K, V]:
+        """Watch the map: a consistent snapshot, then every change in log order.
+
+        Watches every key, one ``key``, or the str/bytes keys starting with ``prefix``. The
+        watch starts when this is called: it first yields the matching entries as ``put``
+        events with ``initial=True`` (unless ``snapshot=False``), then every later change to a
+        matching key as ``put``/``delete`` events, and every ``clear`` of the map, each once and
+        in log order. Deleting an absent key is not a change.
+
+        Up to ``max_queue`` changes wait for the consumer (the snapshot does not count); a
+        consumer further behind gets :class:`~recipes.WatchOverflowError` from its next call,
+        and the watch stops (open a new one to resynchronise). See :class:`MapWatch`.
+        """
+        self._check_usable()
+        if key is not None and prefix is not None:
+            raise ConfigurationError("watch one key or one prefix, not both")
+        if max_queue < 1:
+            raise ConfigurationError("max_queue must be at least 1")
+        accept: Callable[[MapEvent[K, V]], bool]
+        if key is not None:
+            watched = self._codecs.key(key)[0]
+
+            def accept(event: MapEvent[K, V]) -> bool:
+                return event.kind == "clear" or event.key == watched
+
+        elif prefix is not None:
+            if not isinstance(prefix, str | bytes):
+                raise ConfigurationError("prefix must be str or bytes")
+            start = prefix
+
+            def accept(event: MapEvent[K, V]) -> bool:
+                found = event.key
+                return event.kind == "clear" or (
+                    isinstance(found, type(start)) and cast(Any, found).startswith(start)
+                )
+
+        else:
+
+            def accept(event: MapEvent[K, V]) -> bool:
+                return True
+
+        return self._watches.open(accept, snapshot=snapshot, max_queue=max_queue)

@@ -1,0 +1,258 @@
+"""PulsarMap's methods and local view, against the real broker (two replicas in one process)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from pulsar_state import BytesCodec, ClosedError, ConfigurationError, JsonCodec
+from recipes import MapEntry, PulsarMap
+from tests.recipes.helpers import WAIT_S, new_map
+
+
+async def test_pip_reads_and_writes(service_url: str, admin_url: str, topic: str) -> None:
+    async with (
+        new_map(service_url, topic, admin_url) as writer,
+        new_map(service_url, topic, admin_url) as reader,
+    ):
+        assert await writer.get("a") is None
+        assert await writer.get_or_default("a", "none") == "none"
+        await writer.put("a", {"n": 1})
+        await writer.put("b", [1, 2])
+        assert await writer.get("a") == {"n": 1}  # local: the call returned after applying
+        assert await reader.get("b", latest=True) == [1, 2]
+        assert await reader.get_or_default("zz", 0, latest=True) == 0
+        assert await reader.list_keys() == ["a", "b"]
+
+        seen: list[tuple[str, Any]] = []
+        count = await reader.scan(lambda key: key != "a", lambda k, v: seen.append((k, v)))
+        assert count == 1
+        assert seen == [("b", [1, 2])]
+
+        assert await writer.delete("a") is True
+        assert await writer.delete("a") is False  # already absent
+        assert await reader.get("a", latest=True) is None
+
+        await writer.clear()
+        assert await reader.list_keys(latest=True) == []
+        assert len(writer) == 0
+
+
+async def test_update_runs_on_the_latest_value_and_none_deletes(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        new_map(service_url, topic, admin_url) as a,
+        new_map(service_url, topic, admin_url) as b,
+    ):
+
+        def increment(key: str, hits: int | None) -> int:
+            return (hits or 0) + 1
+
+        # Two replicas racing: every increment counts once, whoever wins the writer.
+        results = await asyncio.gather(
+            *(m.update("hits", increment) for m in (a, b) for _ in range(15))
+        )
+        assert sorted(int(hits or 0) for hits in results) == list(range(1, 31))
+        assert await b.get("hits", latest=True) == 30
+
+        version = await a.version("hits", latest=True)
+        assert await a.update("hits", lambda key, hits: hits) == 30  # unchanged: not written
+        assert await a.version("hits") == version
+
+        # fn gets its own copy of the value: changing it in place is safe.
+        await a.put("doc", {"tags": ["x"]})
+
+        def add_tag(key: str, doc: dict[str, Any] | None) -> dict[str, Any]:
+            assert doc is not None
+            doc["tags"].append("y")
+            return doc
+
+        assert await a.update("doc", add_tag) == {"tags": ["x", "y"]}
+        assert await b.get("doc", latest=True) == {"tags": ["x", "y"]}
+
+        assert await a.update("hits", lambda key, hits: None) is None
+        assert "hits" not in a
+        assert await a.update("never", lambda key, value: None) is None
+
+
+async def test_update_multiple_is_one_atomic_write(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with new_map(service_url, topic, admin_url) as m:
+        await m.put_all({"acct:a": 10, "acct:b": 20, "acct:c": 30, "other": 1})
+        before = m.stats.records_sent
+        visited: list[str] = []
+
+        def halve_or_drop(key: str, balance: int) -> int | None:
+            visited.append(key)
+            return None if key == "acct:c" else balance // 2
+
+        position = await m.update_multiple(lambda key: key.startswith("acct:"), halve_or_drop)
+        assert m.stats.records_sent == before + 1
+        assert visited == ["acct:a", "acct:b", "acct:c"]  # key order
+        assert m.items() == [("acct:a", 5), ("acct:b", 10), ("other", 1)]
+        assert await m.version("acct:a") == await m.version("acct:b") == position
+        assert await m.version("other") < position
+
+
+async def test_replace_is_compare_and_set_on_the_value(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        new_map(service_url, topic, admin_url) as a,
+        new_map(service_url, topic, admin_url) as b,
+    ):
+        assert await a.replace("k", None, "v1") is True  # None: only if absent
+        assert await b.replace("k", None, "other") is False
+        assert await b.replace("k", "wrong", "v2") is False
+        assert await b.replace("k", "v1", "v2") is True
+        assert await a.get("k", latest=True) == "v2"
+        assert await a.replace("k", "v2", None) is True  # value None deletes
+        assert await b.get("k", latest=True) is None
+        # JSON normalises on the way in: a tuple is stored (and compared) as a list.
+        await a.put("t", (1, 2))
+        assert await a.replace("t", (1, 2), "matched") is True
+
+
+async def test_put_if_absent_returns_the_value_now_bound(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with new_map(service_url, topic, admin_url) as m:
+        assert await m.put_if_absent("k", "first") == "first"
+        assert await m.put_if_absent("k", "second") == "first"
+        assert await m.get("k") == "first"
+
+
+async def test_put_all_is_atomic_and_samza_range_and_all_are_ordered(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        new_map(service_url, topic, admin_url) as a,
+        new_map(service_url, topic, admin_url) as b,
+    ):
+        position = await a.put_all([("b", 2), ("a", 1), ("d", 4), ("c", 3), ("a", 10)])
+        await b.wait_for(position, timeout=WAIT_S)
+        assert await b.all() == [("a", 10), ("b", 2), ("c", 3), ("d", 4)]
+        assert await b.range("b", "d") == [("b", 2), ("c", 3)]  # half-open
+        assert await b.range(None, "b") == [("a", 10)]
+        assert await b.range("c", None) == [("c", 3), ("d", 4)]
+        assert await b.range("x", "y") == []
+        assert {await b.version(k) for k in "abcd"} == {position}
+        with pytest.raises(ConfigurationError):
+            await b.range(1.5, None)
+
+
+async def test_bytes_keys_are_ordered_by_unsigned_byte(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with new_map(service_url, topic, admin_url, key_codec=BytesCodec()) as m:
+        await m.put_all({b"\xff": 1, b"a": 2, b"ab": 3, b"\x00": 4, b"B": 5})
+        assert m.keys() == [b"\x00", b"B", b"a", b"ab", b"\xff"]
+        assert await m.range(b"a", b"b") == [(b"a", 2), (b"ab", 3)]
+
+
+async def test_str_keys_are_ordered_by_code_point(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with new_map(service_url, topic, admin_url) as m:
+        await m.put_all({"é": 1, "z": 2, "Z": 3, "aa": 4, "a": 5, "😀": 6})
+        keys = m.keys()
+        assert keys == ["Z", "a", "aa", "z", "é", "😀"]
+        assert keys == sorted(keys, key=lambda k: k.encode("utf-8"))  # = UTF-8 byte order
+
+
+async def test_int_keys_through_json(service_url: str, admin_url: str, topic: str) -> None:
+    async with new_map(service_url, topic, admin_url, key_codec=JsonCodec()) as m:
+        await m.put_all({10: "ten", 2: "two", -1: "minus one"})
+        assert m.keys() == [-1, 2, 10]
+        assert await m.range(0, 10) == [(2, "two")]
+
+
+async def test_local_view_has_no_io_and_hands_out_copies(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with new_map(service_url, topic, admin_url) as m:
+        await m.put_all({"b": {"n": 2}, "a": {"n": 1}})
+        assert len(m) == 2
+        assert "a" in m
+        assert "zz" not in m
+        assert m.keys() == ["a", "b"]
+        assert list(m) == ["a", "b"]
+        assert m.values() == [{"n": 1}, {"n": 2}]
+        assert m.items() == [("a", {"n": 1}), ("b", {"n": 2})]
+        assert m.get_local("a") == {"n": 1}
+        assert m.get_local("zz") is None
+        assert m.get_local("zz", "default") == "default"
+        # Changing what a read returned changes nothing in the map.
+        m.values()[0]["n"] = 99
+        m.items()[0][1]["n"] = 99
+        empty: dict[str, Any] = {}
+        (await m.get_or_default("a", empty))["n"] = 99
+        m.get_local("a", empty)["n"] = 99
+        assert m.get_local("a") == {"n": 1}
+
+
+async def test_versions_are_the_positions_of_the_writes(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        new_map(service_url, topic, admin_url) as a,
+        new_map(service_url, topic, admin_url) as b,
+    ):
+        assert await a.version("k") == 0
+        # Concurrent puts from two replicas, group-committed: each key's version is exactly
+        # the position its own write returned, on both replicas.
+        keys = [f"k{i}" for i in range(20)]
+        positions = await asyncio.gather(
+            *((a if i % 2 else b).put(key, i) for i, key in enumerate(keys))
+        )
+        await a.sync()
+        await b.sync()
+        for key, position in zip(keys, positions, strict=True):
+            assert await a.version(key) == position
+            assert await b.version(key) == position
+            assert await b.entry(key) == MapEntry(keys.index(key), position)
+        assert await a.entry("absent") is None
+
+
+async def test_replace_version_is_compare_and_set_on_the_version(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        new_map(service_url, topic, admin_url) as a,
+        new_map(service_url, topic, admin_url) as b,
+    ):
+        assert await a.replace_version("lock", 0, "a") is True  # 0: only if absent
+        assert await b.replace_version("lock", None, "b") is False  # None: same
+        version = await b.version("lock", latest=True)
+        assert version > 0
+        assert await b.replace_version("lock", version, "b") is True
+        assert await a.replace_version("lock", version, "a-again") is False  # stale version
+        newer = await a.version("lock", latest=True)
+        assert newer > version
+        assert await a.get("lock") == "b"
+        assert await a.replace_version("lock", newer, None) is True  # delete at that version
+        assert await b.version("lock", latest=True) == 0
+
+
+async def test_lifecycle_errors(service_url: str, admin_url: str, topic: str) -> None:
+    with pytest.raises(ConfigurationError, match="apply"):
+        PulsarMap(service_url, topic, admin_url=admin_url, apply=lambda s, op: None)
+    m = new_map(service_url, topic, admin_url)
+    with pytest.raises(ClosedError):
+        await m.get("a")
+    with pytest.raises(ClosedError):
+        len(m)
+    async with m:
+        await m.put("a", 1)
+        assert m.position == 1
+        assert m.stats.writes_committed == 1
+        assert m.manager.position == 1
+        assert m.topic == topic
+    with pytest.raises(ClosedError):
+        await m.put("a", 2)
+    with pytest.raises(ClosedError):
+        "a" in m  # noqa: B015

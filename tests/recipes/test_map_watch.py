@@ -1,0 +1,228 @@
+"""Watches: a consistent snapshot, then every change once and in order; overflow and cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from typing import Any
+
+import pytest
+
+from pulsar_state import BytesCodec, ClosedError, OperationTimeoutError, ReplicaHaltedError
+from recipes import MapEvent, MapWatch, PulsarMap, WatchOverflowError
+from tests.recipes.helpers import WAIT_S, new_map
+
+
+def listener_count(m: PulsarMap[Any, Any]) -> int:
+    return len(m.manager._listeners)  # test-only peek: did the watch unsubscribe?
+
+
+async def drain(watch: MapWatch[Any, Any], count: int) -> list[MapEvent[Any, Any]]:
+    events = []
+    for _ in range(count):
+        event = await watch.next(timeout=WAIT_S)
+        assert event is not None
+        events.append(event)
+    return events
+
+
+def brief(events: list[MapEvent[Any, Any]]) -> list[tuple[Any, ...]]:
+    return [(e.kind, e.key, e.value, e.position) for e in events]
+
+
+async def test_snapshot_then_every_change_in_log_order(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        new_map(service_url, topic, admin_url) as writer,
+        new_map(service_url, topic, admin_url) as watcher,
+    ):
+        await writer.put_all({"b": 2, "a": 1})
+        await watcher.sync()
+        async with watcher.changes() as watch:
+            assert watch.start_position == watcher.position
+            p1 = await writer.put("c", 3)
+            p2 = await writer.put_all({"a": 10, "z": 26})
+            assert await writer.delete("b")
+            p3 = writer.position
+            await writer.delete("b")  # absent: no event
+            await writer.replace("a", "wrong", 0)  # fails: no event
+            p4 = await writer.update_multiple(lambda k: True, lambda k, v: v + 1)
+            p5 = await writer.clear()
+            p6 = await writer.put("after", "clear")
+            events = await drain(watch, 2 + 7 + 1 + 1)
+            assert [e.initial for e in events] == [True, True] + [False] * 9
+            assert brief(events) == [
+                ("put", "a", 1, watch.start_position),
+                ("put", "b", 2, watch.start_position),
+                ("put", "c", 3, p1),
+                ("put", "a", 10, p2),
+                ("put", "z", 26, p2),
+                ("delete", "b", None, p3),
+                ("put", "a", 11, p4),
+                ("put", "c", 4, p4),
+                ("put", "z", 27, p4),
+                ("clear", None, None, p5),
+                ("put", "after", "clear", p6),
+            ]
+            assert all(e.version == e.position for e in events[2:])
+            with pytest.raises(OperationTimeoutError):
+                await watch.next(timeout=0.2)  # nothing more, and the watch stays usable
+        assert await watch.next(timeout=WAIT_S) is None  # closed: the stream has ended
+
+
+async def test_key_and_prefix_watches(service_url: str, admin_url: str, topic: str) -> None:
+    async with new_map(service_url, topic, admin_url) as m:
+        await m.put_all({"user:1": "ann", "user:2": "bob", "job:1": "x"})
+        by_key = m.changes(key="user:2")
+        by_prefix = m.changes(prefix="user:", snapshot=False)
+        await m.put("job:2", "y")
+        p_put = await m.put("user:2", "bo")
+        p_new = await m.put("user:3", "cy")
+        p_clear = await m.clear()
+        assert brief(await drain(by_key, 3)) == [
+            ("put", "user:2", "bob", by_key.start_position),
+            ("put", "user:2", "bo", p_put),
+            ("clear", None, None, p_clear),
+        ]
+        assert brief(await drain(by_prefix, 3)) == [
+            ("put", "user:2", "bo", p_put),
+            ("put", "user:3", "cy", p_new),
+            ("clear", None, None, p_clear),
+        ]
+        by_key.close()
+        by_prefix.close()
+        assert listener_count(m) == 0
+
+
+async def test_watch_started_between_writes_misses_nothing_and_repeats_nothing(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        new_map(service_url, topic, admin_url) as writer,
+        new_map(service_url, topic, admin_url) as watcher,
+    ):
+        # Writes land while watches are being opened: each watch's snapshot plus its changes
+        # must rebuild exactly the final map, with each write seen once.
+        async def write_all() -> None:
+            for i in range(60):
+                await writer.put(f"k{i % 7}", i)
+            await writer.put("~end", True)  # sorts last: ends a snapshot too
+
+        writing = asyncio.create_task(write_all())
+        watches = [watcher.changes()]
+        while not writing.done():
+            await asyncio.sleep(0.01)
+            watches.append(watcher.changes())
+        await writing
+        await watcher.sync()
+        final = dict(watcher.items())
+        for watch in watches:
+            rebuilt: dict[str, Any] = {}
+            changes: list[int] = []
+            while True:
+                event = await watch.next(timeout=WAIT_S)
+                assert event is not None
+                if event.initial:
+                    assert event.position == watch.start_position
+                    assert not changes
+                else:
+                    changes.append(event.position)
+                rebuilt[str(event.key)] = event.value
+                if event.key == "~end":
+                    break
+            assert rebuilt == final
+            # One put per write: exactly the positions after the snapshot, in order.
+            assert changes == list(range(watch.start_position + 1, watcher.position + 1))
+            watch.close()
+
+
+async def test_consumer_that_falls_behind_gets_overflow_and_the_listener_is_removed(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with new_map(service_url, topic, admin_url) as m:
+        await m.put("seed", 0)
+        watch = m.changes(max_queue=3)
+        for i in range(3):
+            await m.put(f"k{i}", i)
+        # Three changes queued: still fine. One more puts the consumer over the limit.
+        await m.put("k3", 3)
+        assert listener_count(m) == 0  # unsubscribed at once, the pump does no more work
+        first = await watch.next(timeout=WAIT_S)
+        assert first is not None
+        assert first.initial  # the snapshot is not counted in max_queue
+        with pytest.raises(WatchOverflowError) as error:
+            await watch.next(timeout=WAIT_S)
+        assert error.value.max_queue == 3
+        assert error.value.position == watch.start_position  # nothing delivered since
+        assert error.value.retriable
+        with pytest.raises(WatchOverflowError):
+            await watch.next(timeout=WAIT_S)  # stays stopped
+        # A new watch resynchronises from a fresh snapshot.
+        fresh = m.changes()
+        assert {e.key for e in await drain(fresh, 5)} == {"seed", "k0", "k1", "k2", "k3"}
+        fresh.close()
+
+
+async def test_cancelled_and_dropped_watches_unsubscribe(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with new_map(service_url, topic, admin_url) as m:
+        received: list[MapEvent[str, Any]] = []
+        got_one = asyncio.Event()
+        watch = m.changes(snapshot=False)
+
+        async def consume() -> None:
+            async with watch:
+                async for event in watch:
+                    received.append(event)
+                    got_one.set()
+
+        task = asyncio.create_task(consume())
+        await m.put("a", 1)
+        await asyncio.wait_for(got_one.wait(), WAIT_S)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, WAIT_S)
+        assert listener_count(m) == 0  # `async with` closed it (we still hold the watch)
+        assert watch.closed
+
+        async for _ in m.changes():  # break out of a bare `async for`: dropped, unsubscribed
+            break
+        gc.collect()
+        assert listener_count(m) == 0
+
+
+async def test_watches_end_when_the_map_closes(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    m = new_map(service_url, topic, admin_url)
+    await m.open()
+    watch = m.changes(snapshot=False)
+    waiting = asyncio.create_task(watch.next(timeout=WAIT_S))
+    await m.put("a", 1)
+    await m.aclose()
+    event = await asyncio.wait_for(waiting, WAIT_S)
+    assert event is not None
+    assert event.key == "a"  # queued before the close: still delivered
+    with pytest.raises(ClosedError):
+        await watch.next(timeout=WAIT_S)
+    with pytest.raises(ClosedError):
+        m.changes()
+
+
+async def test_watch_on_a_replica_that_halts_raises_after_the_good_events(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        new_map(service_url, topic, admin_url) as watcher,
+        new_map(service_url, topic, admin_url, value_codec=BytesCodec()) as foreign,
+    ):
+        watch = watcher.changes(snapshot=False)
+        await foreign.put("ok", b'"fine"')  # valid JSON bytes: the watcher decodes it
+        await foreign.put("bad", b"\xff not json")
+        event = await watch.next(timeout=WAIT_S)
+        assert event is not None
+        assert (event.key, event.value) == ("ok", "fine")
+        with pytest.raises(ReplicaHaltedError):
+            await watch.next(timeout=WAIT_S)
