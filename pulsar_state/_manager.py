@@ -136,7 +136,7 @@ class ManagerStats:
     determinism_failures: int = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _PendingWrite:
     generator: Callable[[Any], Sequence[Any]]
     reader: Callable[[Any], Any] | None
@@ -308,6 +308,8 @@ class SharedStateManager(Generic[S, Op]):
         self._listeners: list[Callable[[AppliedRecord[Op]], None]] = []
 
         self._queue: deque[_PendingWrite] = deque()
+        self._deadlines: list[tuple[float, int, _PendingWrite]] = []
+        self._watchdog_task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._in_flight: dict[str, list[_PendingWrite]] = {}
         self._write_seq = itertools.count(1)
@@ -383,6 +385,9 @@ class SharedStateManager(Generic[S, Op]):
         self._check_usable()  # the replay may have stopped at a bad record: refuse to open
         self._writer_task = asyncio.create_task(
             self._writer_loop(), name=f"pulsar-state-writer-{topic}"
+        )
+        self._watchdog_task = asyncio.create_task(
+            self._watchdog(), name=f"pulsar-state-deadlines-{topic}"
         )
         logger.info(
             "opened %s at position %d (%d records read)",
@@ -507,7 +512,7 @@ class SharedStateManager(Generic[S, Op]):
         if self._snapshot_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._snapshot_task), min(timeout, 30.0))
-        for task in (self._writer_task, self._snapshot_task):
+        for task in (self._writer_task, self._snapshot_task, self._watchdog_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -666,13 +671,10 @@ class SharedStateManager(Generic[S, Op]):
             write_seq=next(self._write_seq),
         )
         self._queue.append(pending)
+        heapq.heappush(self._deadlines, (pending.deadline, pending.write_seq, pending))
         self._wake.set()
-        try:
-            async with asyncio.timeout(timeout):
-                return await pending.future
-        except TimeoutError:
-            # The future was cancelled by the timeout: the writer skips it from now on.
-            raise self._timeout_error(pending) from None
+        # The watchdog fails the future at its deadline: one timer for all writes, not one each.
+        return await pending.future
 
     async def write_ops(
         self, ops: Sequence[Op], *, timeout: float | None = None
@@ -1062,6 +1064,17 @@ class SharedStateManager(Generic[S, Op]):
             else:
                 kept.append(pending)
         self._queue = kept
+
+    async def _watchdog(self) -> None:
+        """Fail each write whose deadline has passed, wherever it is (queued or in flight)."""
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            now = loop.time()
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, _, pending = heapq.heappop(self._deadlines)
+                if not pending.future.done():
+                    self._fail_timeout(pending)
+            await asyncio.sleep(0.05)
 
     def _fail_timeout(self, pending: _PendingWrite) -> None:
         pending.future.set_exception(self._timeout_error(pending))

@@ -13,6 +13,7 @@ from pulsar_state import (
     AvroCodec,
     ConfigurationError,
     CorruptRecordError,
+    OperationTimeoutError,
     PartitionedTopicError,
     RecordTooLargeError,
     ReplicaHaltedError,
@@ -297,3 +298,19 @@ async def test_takeover_with_fencing_after_configured_wait(
             state = await replica.read(lambda s: s, latest=True)
             assert state["count"] == 3
             assert state["seen"] == {"stuck-1": 1, "taker-1": 1, "stuck-2": 1}
+
+
+async def test_write_timeout_is_enforced_while_waiting_for_the_writer(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
+    async with (
+        counter_manager(service_url, topic, admin_url, **hold) as holder,
+        counter_manager(service_url, topic, admin_url, acquire_timeout_s=3600) as waiter,
+    ):
+        await holder.write(lambda s: [incr()])
+        with pytest.raises((OperationTimeoutError, WriterBusyError)) as timed_out:
+            await waiter.write(lambda s: [incr()], timeout=0.5)
+        assert timed_out.value.retriable
+        assert "nothing was appended" in str(timed_out.value)
+        assert await holder.read(lambda s: s["count"], latest=True) == 1
