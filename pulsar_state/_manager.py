@@ -517,9 +517,12 @@ class SharedStateManager(Generic[S, Op]):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        await self._release_writer()
+        # Every step is bounded: a broker that does not answer cannot hang a close.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._release_writer(), timeout)
         if self._reader is not None:
-            await self._reader.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reader.close(), timeout)
         if self._pump_task is not None:
             self._pump_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -536,7 +539,8 @@ class SharedStateManager(Generic[S, Op]):
         self._in_flight.clear()
         self._fail_waiters(closed)
         if self._conn is not None and self._owns_conn:
-            await self._conn.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._conn.close(), timeout)
         logger.debug("closed manager on %s", self.topic)
 
     # ------------------------------------------------------------------ public API
@@ -1099,7 +1103,7 @@ class SharedStateManager(Generic[S, Op]):
         topic = str(self.topic)
         try:
             async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(WriterBusyError),
+                retry=retry_if_exception_type((WriterBusyError, OperationTimeoutError)),
                 wait=wait_random(0.002, 0.03),
                 stop=stop_after_delay(budget),
                 reraise=True,
@@ -1116,6 +1120,7 @@ class SharedStateManager(Generic[S, Op]):
                         fencing=fencing,
                         name=None,
                         send_timeout_s=min(self.write_timeout_s, 30.0),
+                        timeout_s=max(1.0, budget - (loop.time() - started)),
                     )
         except WriterBusyError:
             waited = loop.time() - started

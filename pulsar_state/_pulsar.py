@@ -44,6 +44,9 @@ __all__ = [
 
 logger = logging.getLogger("pulsar_state")
 
+# Closing never waits longer than this on an unresponsive broker.
+_CLOSE_TIMEOUT_S = 10.0
+
 # Results that mean "someone else holds the exclusive writer" when creating a producer.
 _HELD = {pulsar.Result.ProducerFenced, pulsar.Result.ProducerBusy}
 _UNAVAILABLE = {
@@ -156,8 +159,8 @@ class StateWriter:
     async def close(self) -> None:
         try:
             with translate_errors(f"close writer on {self._topic}"):
-                await self._producer.close()
-        except PulsarStateError as exc:
+                await asyncio.wait_for(self._producer.close(), _CLOSE_TIMEOUT_S)
+        except (PulsarStateError, TimeoutError) as exc:
             # A fenced or disconnected producer is already released on the broker side.
             logger.debug("closing writer on %s: %s", self._topic, exc)
 
@@ -266,8 +269,8 @@ class StateReader:
         await asyncio.to_thread(self._thread.join, 5.0)
         try:
             with translate_errors(f"close reader on {self._topic}"):
-                await self._async_reader.close()
-        except PulsarStateError as exc:
+                await asyncio.wait_for(self._async_reader.close(), _CLOSE_TIMEOUT_S)
+        except (PulsarStateError, TimeoutError) as exc:
             logger.debug("closing reader on %s: %s", self._topic, exc)
 
 
@@ -306,15 +309,21 @@ class PulsarConnection:
         return conn
 
     async def create_writer(
-        self, topic: str, *, fencing: bool, name: str | None, send_timeout_s: float
+        self,
+        topic: str,
+        *,
+        fencing: bool,
+        name: str | None,
+        send_timeout_s: float,
+        timeout_s: float = 30.0,
     ) -> StateWriter:
         mode = (
             pulsar.ProducerAccessMode.ExclusiveWithFencing
             if fencing
             else pulsar.ProducerAccessMode.Exclusive
         )
-        with translate_errors(f"acquire the writer of {topic}", creating_writer=True):
-            producer = await self._client.create_producer(
+        creation = asyncio.ensure_future(
+            self._client.create_producer(
                 topic,
                 producer_name=name,
                 access_mode=mode,
@@ -324,6 +333,20 @@ class PulsarConnection:
                 max_pending_messages=10_000,
                 block_if_queue_full=True,
             )
+        )
+        try:
+            with translate_errors(f"acquire the writer of {topic}", creating_writer=True):
+                producer = await asyncio.wait_for(asyncio.shield(creation), timeout_s)
+        except OperationTimeoutError:
+            # Creation can hang while the broker fails (apache/pulsar #10721). If it succeeds
+            # later, close that producer at once: an orphan would hold exclusivity forever.
+            creation.add_done_callback(_close_orphan)
+            raise
+        except TimeoutError as exc:
+            creation.add_done_callback(_close_orphan)
+            raise OperationTimeoutError(
+                f"acquiring the writer of {topic} took over {timeout_s}s"
+            ) from exc
         return StateWriter(producer, topic)
 
     async def create_reader(
@@ -361,9 +384,18 @@ class PulsarConnection:
     async def close(self) -> None:
         try:
             with translate_errors("close client"):
-                await self._client.close()
-        except PulsarStateError as exc:
+                await asyncio.wait_for(self._client.close(), _CLOSE_TIMEOUT_S)
+        except (PulsarStateError, TimeoutError) as exc:
             logger.debug("closing client: %s", exc)
+
+
+def _close_orphan(creation: asyncio.Future[Any]) -> None:
+    if creation.cancelled() or creation.exception() is not None:
+        return
+    producer = creation.result()
+    logger.warning("closing a writer whose creation completed after its timeout")
+    task = asyncio.ensure_future(producer.close())
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 @asynccontextmanager

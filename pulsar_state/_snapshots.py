@@ -135,11 +135,19 @@ class SnapshotStore:
             data[i : i + self._chunk_bytes] for i in range(0, len(data), self._chunk_bytes)
         ] or [b""]
         data_writer = await self._conn.create_writer(
-            str(self.data_topic), fencing=False, name=None, send_timeout_s=self._timeout_s
+            str(self.data_topic),
+            fencing=False,
+            name=None,
+            send_timeout_s=self._timeout_s,
+            timeout_s=self._timeout_s,
         )
         try:
             index_writer = await self._conn.create_writer(
-                str(self.index_topic), fencing=False, name=None, send_timeout_s=self._timeout_s
+                str(self.index_topic),
+                fencing=False,
+                name=None,
+                send_timeout_s=self._timeout_s,
+                timeout_s=self._timeout_s,
             )
             try:
                 async with asyncio.timeout(self._timeout_s):

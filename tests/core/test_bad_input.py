@@ -15,6 +15,7 @@ from pulsar_state import (
     CorruptRecordError,
     OperationTimeoutError,
     PartitionedTopicError,
+    PulsarStateError,
     RecordTooLargeError,
     ReplicaHaltedError,
     SchemaMismatchError,
@@ -314,3 +315,13 @@ async def test_write_timeout_is_enforced_while_waiting_for_the_writer(
         assert timed_out.value.retriable
         assert "nothing was appended" in str(timed_out.value)
         assert await holder.read(lambda s: s["count"], latest=True) == 1
+
+
+async def test_unreachable_broker_fails_open_with_a_clear_retriable_error(topic: str) -> None:
+    manager = counter_manager(
+        "pulsar://127.0.0.1:1", topic, "http://127.0.0.1:1", open_timeout_s=5.0
+    )
+    with pytest.raises(PulsarStateError) as failed:
+        await manager.open()
+    assert failed.value.retriable
+    assert manager.closed
