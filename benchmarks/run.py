@@ -298,18 +298,19 @@ async def bootstrap(broker: Broker, quick: bool) -> Metric:
                     for i in range(start, min(count, start + 1000))
                 )
             )
-    raw = RawClient(broker)
-    try:
-        reader = await raw.client.create_reader(
-            name, pulsar.MessageId.earliest, receiver_queue_size=2000
-        )
-        started = time.perf_counter()
-        raw_bytes = 0
-        for _ in range(count):
-            raw_bytes += len((await reader.read_next()).data())
-        raw_s = time.perf_counter() - started
-    finally:
-        await raw.close()
+
+    def raw_replay() -> tuple[float, int]:
+        # The fastest raw reader: the blocking API in a loop (as the library's reader thread).
+        client = pulsar.Client(broker.service_url)
+        try:
+            reader = client.create_reader(name, pulsar.MessageId.earliest, receiver_queue_size=2000)
+            started = time.perf_counter()
+            size = sum(len(reader.read_next().data()) for _ in range(count))
+            return time.perf_counter() - started, size
+        finally:
+            client.close()
+
+    raw_s, raw_bytes = await asyncio.to_thread(raw_replay)
     started = time.perf_counter()
     async with kv_manager(broker, name) as replica:
         lib_s = time.perf_counter() - started
