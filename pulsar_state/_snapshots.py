@@ -27,7 +27,7 @@ from ._envelope import (
     encode_manifest,
 )
 from ._errors import CorruptRecordError
-from ._pulsar import LogPosition, PulsarConnection
+from ._pulsar import LogPosition, PulsarConnection, StateWriter
 
 __all__ = ["SnapshotStore"]
 
@@ -134,21 +134,9 @@ class SnapshotStore:
         chunks = [
             data[i : i + self._chunk_bytes] for i in range(0, len(data), self._chunk_bytes)
         ] or [b""]
-        data_writer = await self._conn.create_writer(
-            str(self.data_topic),
-            fencing=False,
-            name=None,
-            send_timeout_s=self._timeout_s,
-            timeout_s=self._timeout_s,
-        )
+        data_writer = await self._exclusive_writer(self.data_topic)
         try:
-            index_writer = await self._conn.create_writer(
-                str(self.index_topic),
-                fencing=False,
-                name=None,
-                send_timeout_s=self._timeout_s,
-                timeout_s=self._timeout_s,
-            )
+            index_writer = await self._exclusive_writer(self.index_topic)
             try:
                 async with asyncio.timeout(self._timeout_s):
                     sends = [
@@ -182,6 +170,16 @@ class SnapshotStore:
         finally:
             await data_writer.close()
         return manifest
+
+    async def _exclusive_writer(self, topic: TopicName) -> StateWriter:
+        # Exclusive: one snapshotting process at a time; another gets WriterBusyError.
+        return await self._conn.create_writer(
+            str(topic),
+            fencing=False,
+            name=None,
+            send_timeout_s=self._timeout_s,
+            timeout_s=self._timeout_s,
+        )
 
     async def latest(self) -> SnapshotManifest | None:
         """The newest manifest (the index topic's last message), or None."""
