@@ -159,10 +159,29 @@ class AdminClient:
         last = max(earlier, key=lambda ledger: int(ledger["ledgerId"]))
         return LogPosition(int(last["ledgerId"]), int(last["entries"]) - 1)
 
-    async def backlog(self, topic: TopicName) -> tuple[int, int]:
-        """(messages, bytes) stored in the topic: for progress reports on long replays."""
+    async def backlog(
+        self, topic: TopicName, *, after: LogPosition | None = None
+    ) -> tuple[int, int]:
+        """(messages, bytes) stored in the topic after ``after`` (all when None): for progress
+        reports on long replays. Bytes are estimated within a partly read ledger."""
         stats = await self.get_ok(topic.rest_path + "/internalStats")
-        return int(stats.get("numberOfEntries", 0)), int(stats.get("totalSize", 0))
+        if after is None:
+            return int(stats.get("numberOfEntries", 0)), int(stats.get("totalSize", 0))
+        ledgers = stats.get("ledgers", [])
+        messages = size = 0
+        for index, ledger in enumerate(ledgers):
+            entries, ledger_size = int(ledger.get("entries", 0)), int(ledger.get("size", 0))
+            if index == len(ledgers) - 1 and entries == 0:  # the open ledger
+                entries = int(stats.get("currentLedgerEntries", 0))
+                ledger_size = int(stats.get("currentLedgerSize", 0))
+            ledger_id = int(ledger["ledgerId"])
+            if ledger_id > after.ledger:
+                messages, size = messages + entries, size + ledger_size
+            elif ledger_id == after.ledger and entries > after.entry + 1:
+                left = entries - after.entry - 1
+                messages += left
+                size += ledger_size * left // entries
+        return messages, size
 
     async def check_topic(self, topic: TopicName) -> None:
         """Refuse a partitioned topic and one whose policies would lose history."""

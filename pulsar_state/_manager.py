@@ -450,7 +450,9 @@ class SharedStateManager(Generic[S, Op]):
         records_total: int | None
         bytes_total: int | None
         try:
-            records_total, bytes_total = await self._admin.backlog(self.topic)
+            # After a snapshot only the records past it are replayed: count just those.
+            after = self._read_position if self._loaded_manifest is not None else None
+            records_total, bytes_total = await self._admin.backlog(self.topic, after=after)
         except PulsarStateError:
             records_total = bytes_total = None
         started = time.monotonic()

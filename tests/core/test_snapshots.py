@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import JsonCodec, SnapshotManifest
+from pulsar_state import JsonCodec, ReplayProgress, SnapshotManifest
 from pulsar_state._envelope import encode_manifest
 from tests.core.helpers import Counter, apply_counter, counter_manager, incr, raw_producer
 from tests.support.broker import REPO, Broker
@@ -40,14 +40,21 @@ async def test_snapshot_plus_tail_equals_full_replay(
         assert manifest.position == 60
         await write_increments(writer, 25, "b")
         expected = await writer.read(lambda s: s, latest=True)
+    reports: list[ReplayProgress] = []
     async with (
-        counter_manager(service_url, topic, admin_url, **json_state) as from_snapshot,
+        counter_manager(
+            service_url, topic, admin_url, on_progress=reports.append, **json_state
+        ) as from_snapshot,
         counter_manager(
             service_url, topic, admin_url, load_snapshot=False, **json_state
         ) as full_replay,
     ):
         assert from_snapshot.stats.snapshot_loaded_position == 60
         assert from_snapshot.stats.records_read == 25  # only the tail was replayed
+        # Progress counts the work left after the snapshot, not the whole history.
+        assert reports[-1].done
+        assert reports[-1].snapshot_position == 60
+        assert (reports[-1].records_read, reports[-1].records_total) == (25, 25)
         assert full_replay.stats.records_read == 85
         for replica in (from_snapshot, full_replay):
             assert replica.position == 85
