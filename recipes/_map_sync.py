@@ -329,6 +329,15 @@ class SyncPulsarMap(Generic[K, V]):
     ) -> int:
         return self._write(lambda: self._map.update_multiple(filter, fn, timeout=timeout), timeout)
 
+    def transact(
+        self,
+        fn: Callable[[Mapping[K, V]], Mapping[K, V | None]],
+        *,
+        timeout: float | None = None,
+    ) -> int | None:
+        """As :meth:`PulsarMap.transact` (``fn`` runs on the portal's thread)."""
+        return self._write(lambda: self._map.transact(fn, timeout=timeout), timeout)
+
     def replace(
         self, key: K, expected: V | None, value: V | None, *, timeout: float | None = None
     ) -> bool:

@@ -10,11 +10,12 @@ and watches (:meth:`PulsarMap.changes`).
 
 Guarantees (from the core, see its README):
 
-* A write is atomic: all the changes of one call (``put_all``, ``update_multiple``, ``clear``)
-  are seen together by every replica, or not at all; never half of them.
+* A write is atomic: all the changes of one call (``put_all``, ``update_multiple``,
+  ``transact``, ``clear``) are seen together by every replica, or not at all; never half of them.
 * Conditional writes (``update``, ``replace``, ``replace_version``, ``put_if_absent``,
-  ``delete``) decide on the up-to-date map, under the topic's exclusive writer; a decision made
-  on a stale map is never applied (the write is recomputed), so compare-and-set is exact.
+  ``delete``, ``transact``) decide on the up-to-date map, under the topic's exclusive writer;
+  a decision made on a stale map is never applied (the write is recomputed), so
+  compare-and-set is exact.
 * A call returns after its write is applied locally: the local view shows it at once. Reads
   with ``latest=True`` are linearizable; reads without it are local and never wait.
 * Bad input fails before anything is sent: a key or value its codec cannot encode raises
@@ -31,6 +32,7 @@ Failure semantics: a write that times out before anything was sent raises
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar, cast, overload
@@ -517,6 +519,54 @@ class PulsarMap(Generic[K, V]):
 
         return (await self._write(generator, lambda s: None, timeout)).position
 
+    async def transact(
+        self,
+        fn: Callable[[Mapping[K, V]], Mapping[K, V | None]],
+        *,
+        timeout: float | None = None,
+    ) -> int | None:
+        """Add, change and delete any keys in ONE atomic write decided on the up-to-date map.
+
+        ``fn(view)`` gets a read-only view of the up-to-date map (a ``Mapping``: ``view[key]``,
+        ``view.get(key)``, ``key in view``, ``len(view)``, iteration in key order; values
+        handed out are copies) and returns the changes to make: ``{key: new value}``, with
+        None meaning "delete". Unlike :meth:`update_multiple`, the changes may add keys, so
+        "a conditional multi-key upsert" (decide from some keys, write others, including new
+        ones) is one write: every replica applies all of it or none of it, and it is applied
+        only to the very state ``fn`` saw (otherwise ``fn`` runs again on the newer state).
+
+        Changes that change nothing (a value equal to the current one, deleting an absent
+        key) are not written. Like :meth:`update`, ``fn`` may run more than once and must not
+        have side effects; if it raises, or a key or value cannot be encoded, the call raises
+        that error and nothing is written. The changes must fit in one record
+        (``max_record_bytes``, else RecordTooLargeError; nothing is written).
+
+        Returns the write's position (the new version of every key it changed), or None when
+        the final run of ``fn`` asked for no change (then the map was not changed).
+        """
+        codecs = self._codecs
+        tag = _new_tag()
+
+        def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
+            ops: list[MapOp[K, V]] = []
+            for key, value in fn(_View(state)).items():
+                norm_key, key_bytes = codecs.key(key)
+                entry = state.entries.get(norm_key)
+                if value is None:
+                    if entry is not None:
+                        ops.append(MapOp("DELETE", norm_key, None, key_bytes))
+                    continue
+                op = codecs.put_known(norm_key, key_bytes, value)
+                if entry is None or op.value != entry.value:
+                    ops.append(op)
+            if ops:
+                # One tag (on the last op) tells whether this call's write was the one applied.
+                ops[-1] = dataclasses.replace(ops[-1], tag=tag)
+            return ops
+
+        result = await self._write(generator, lambda s: s.last_tag == tag, timeout)
+        return result.position if result.value else None
+
     async def replace(
         self, key: K, expected: V | None, value: V | None, *, timeout: float | None = None
     ) -> bool:
@@ -636,3 +686,24 @@ class PulsarMap(Generic[K, V]):
                 return True
 
         return self._watches.open(accept, snapshot=snapshot, max_queue=max_queue)
+
+
+class _View(Mapping[K, V]):
+    """The read-only view of a map's state handed to :meth:`PulsarMap.transact`."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: MapState[K, V]) -> None:
+        self._state = state
+
+    def __getitem__(self, key: K) -> V:
+        return detached(self._state.entries[key].value)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._state.entries
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._state.sorted_keys())
+
+    def __len__(self) -> int:
+        return len(self._state.entries)

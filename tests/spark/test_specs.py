@@ -1,0 +1,154 @@
+"""Specs pickle; executors and forked children open their own maps; the cache's lifecycle."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import select
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+from pyspark import cloudpickle
+from pyspark.sql import SparkSession
+
+import pulsar_state.spark as pulsar_spark
+from pulsar_state import AvroCodec, ClosedError, ConfigurationError, StrCodec
+from pulsar_state.spark import MapSpec, close_maps, get_map
+from tests.spark import tasks
+from tests.spark.conftest import SPARK_MARKS, WAIT_S, map_options
+
+pytestmark = SPARK_MARKS
+
+
+def test_specs_pickle_and_equal_specs_share_a_key(service_url: str, admin_url: str) -> None:
+    codec: AvroCodec[dict[str, Any]] = AvroCodec(
+        {"type": "record", "name": "R", "fields": [{"name": "n", "type": "long"}]}
+    )
+    spec = MapSpec(
+        service_url,
+        "some-topic",
+        admin_url=admin_url,
+        key_codec=StrCodec(),
+        value_codec=codec,
+        options=map_options(max_record_bytes=2_000_000),
+    )
+    for copy in (pickle.loads(pickle.dumps(spec)), cloudpickle.loads(cloudpickle.dumps(spec))):
+        assert copy == spec
+        assert copy.key == spec.key
+        assert hash(copy) == hash(spec)
+        assert copy.options["max_record_bytes"] == 2_000_000
+        assert copy.value_codec is not None
+        assert copy.value_codec.decode(codec.encode({"n": 1})) == {"n": 1}
+    assert spec.with_options(name="other") != spec
+    assert spec.with_options(name="other").options["max_record_bytes"] == 2_000_000
+
+
+def test_specs_refuse_what_cannot_travel(service_url: str) -> None:
+    with pytest.raises(ConfigurationError, match="must pickle"):
+        MapSpec(service_url, "t", options={"on_progress": threading.Lock()})
+    with pytest.raises(ConfigurationError, match="portal"):
+        MapSpec(service_url, "t", options={"portal": None})
+    with pytest.raises(ConfigurationError, match="service URL"):
+        MapSpec(object(), "t")  # type: ignore[arg-type]
+
+
+def test_executors_open_their_own_cached_maps(spark: SparkSession, spec: MapSpec) -> None:
+    driver = get_map(spec)
+    assert get_map(spec) is driver
+    driver.put_all({f"k{i}": i * 10 for i in range(8)})
+    keys = [f"k{i}" for i in range(8)]
+
+    rdd = spark.sparkContext.parallelize(keys, 4)
+    rows = rdd.mapPartitions(lambda part: tasks.read_partition(spec, part)).collect()
+    assert sorted(value for _, _, value in rows) == [i * 10 for i in range(8)]
+    pids = {pid for pid, _, _ in rows}
+    assert os.getpid() not in pids  # read in Python workers, not in the driver
+    writers_by_pid: dict[int, set[str]] = {}
+    for pid, writer, _ in rows:
+        writers_by_pid.setdefault(pid, set()).add(writer)
+    # One map per worker process, reused by all the tasks it ran.
+    assert all(len(writers) == 1 for writers in writers_by_pid.values())
+    assert driver.async_map.manager.writer_id not in set().union(*writers_by_pid.values())
+
+    # Executors write too: each partition adds its size, atomically, through its own map.
+    sizes = spark.sparkContext.parallelize(range(100), 5)
+    assert sum(sizes.mapPartitions(lambda part: tasks.count_partition(spec, part)).collect()) == 100
+    assert driver.get("hits", latest=True) == 100
+
+
+def _child(spec: MapSpec, parent_writer: str) -> dict[str, Any]:
+    m = get_map(spec)
+    writer = m.async_map.manager.writer_id
+    seen = m.get("from", latest=True)
+    m.put("child", os.getpid())
+    return {"writer": writer, "seen": seen, "new": writer != parent_writer}
+
+
+def test_fork_child_opens_its_own_map_and_parent_keeps_working(spec: MapSpec) -> None:
+    parent = get_map(spec)
+    parent.put("from", "parent")
+    parent_writer = parent.async_map.manager.writer_id
+    read_end, write_end = os.pipe()
+    # Fork while this process holds the cache's lock: the child must not inherit it held.
+    with pulsar_spark._current_cache().lock:
+        pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        code = 1
+        try:
+            os.close(read_end)
+            result = _child(spec, parent_writer)
+            os.write(write_end, json.dumps(result).encode())
+            code = 0
+        except BaseException as exc:
+            os.write(write_end, json.dumps({"error": repr(exc)}).encode())
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], WAIT_S)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"the forked child gave no answer in {WAIT_S}s")
+        report = json.loads(os.read(read_end, 65536) or b"{}")
+    finally:
+        os.close(read_end)
+        _reap(pid)
+    assert "error" not in report, report
+    assert report["new"] is True
+    assert report["seen"] == "parent"
+    # The parent's map is untouched by the child's fork and still works.
+    assert get_map(spec) is parent
+    assert parent.get("child", latest=True) == pid
+    parent.put("after", 1)
+    assert parent.get("after") == 1
+
+
+def _reap(pid: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child did not exit")
+
+
+def test_closed_maps_are_replaced_and_close_maps_closes_all(spec: MapSpec) -> None:
+    first = get_map(spec)
+    first.put("a", 1)
+    first.close()  # someone closed it by mistake: the next get_map opens a new one
+    second = get_map(spec)
+    assert second is not first
+    assert second.get("a", latest=True) == 1
+    close_maps()
+    with pytest.raises(ClosedError):
+        second.get("a")
+    third = get_map(spec)
+    assert third.get("a", latest=True) == 1
