@@ -363,25 +363,28 @@ async def snapshot_open(broker: Broker, quick: bool) -> Metric:
 
 
 async def acquisition(broker: Broker, quick: bool) -> list[Metric]:
-    rounds = 10 if quick else 50
+    """Getting the writer: first write, handover after a clean close, takeover by fencing."""
+    rounds = 10 if quick else 40
     raw = RawClient(broker)
-    raw_create, raw_fence = [], []
+    raw_first, raw_fence = [], []
     try:
         for _ in range(rounds):
             name = topic("raw-acq")
             started = time.perf_counter()
             producer = await raw.producer(name)
-            raw_create.append(time.perf_counter() - started)
+            await producer.send(b"x" * 160)
+            raw_first.append(time.perf_counter() - started)
             started = time.perf_counter()
-            await raw.producer(name, pulsar.ProducerAccessMode.ExclusiveWithFencing)
+            fencer = await raw.producer(name, pulsar.ProducerAccessMode.ExclusiveWithFencing)
+            await fencer.send(b"x" * 160)
             raw_fence.append(time.perf_counter() - started)
-            del producer
     finally:
         await raw.close()
-    lib_first, lib_handover = [], []
+    lib_first, lib_handover, lib_fence = [], [], []
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
     for _ in range(rounds):
         name = topic("lib-acq")
-        async with kv_manager(broker, name) as a, kv_manager(broker, name) as b:
+        async with kv_manager(broker, name, **hold) as a, kv_manager(broker, name) as b:
             started = time.perf_counter()
             await a.write_ops([{"k": "a", "v": 1}])
             lib_first.append(time.perf_counter() - started)
@@ -392,8 +395,18 @@ async def acquisition(broker: Broker, quick: bool) -> list[Metric]:
             await a.aclose()
             await pending
             lib_handover.append(time.perf_counter() - started)
+        # A stuck holder (it keeps the writer and never writes again) taken over by fencing.
+        async with (
+            kv_manager(broker, name, **hold) as stuck,
+            kv_manager(broker, name, takeover_after_s=0.0) as taker,
+        ):
+            await stuck.write_ops([{"k": "s", "v": 1}])
+            started = time.perf_counter()
+            await taker.write_ops([{"k": "t", "v": 1}])
+            lib_fence.append(time.perf_counter() - started)
     ms = 1000.0
-    first = (percentile(lib_first, 0.5) * ms, percentile(raw_create, 0.5) * ms)
+    first = (percentile(lib_first, 0.5) * ms, percentile(raw_first, 0.5) * ms)
+    fence = (percentile(lib_fence, 0.5) * ms, percentile(raw_fence, 0.5) * ms)
     handover = percentile(lib_handover, 0.5) * ms
     return [
         Metric(
@@ -403,16 +416,25 @@ async def acquisition(broker: Broker, quick: bool) -> list[Metric]:
             first[1],
             "<= 1.3x",
             first[0] <= 1.3 * first[1],
-            note="library: producer + tail capture + catch-up + one write; raw: producer",
+            note="library: producer, tail capture, catch-up, write; raw: producer, send",
         ),
         Metric(
             "handover after clean close p50",
             "ms",
             handover,
-            percentile(raw_fence, 0.5) * ms,
+            fence[1],
             "p50 <= 30 ms",
             handover <= 30,
-            note="baseline shown: raw fencing takeover",
+            note="from the holder's close to the waiter's write done; baseline: raw fencing",
+        ),
+        Metric(
+            "takeover of a stuck writer with fencing p50",
+            "ms",
+            fence[0],
+            fence[1],
+            "<= 1.3x",
+            fence[0] <= 1.3 * fence[1],
+            note="library: fencing producer, catch-up, write; raw: fencing producer, send",
         ),
     ]
 
@@ -437,7 +459,7 @@ asyncio.run(main())
 """
 
 
-async def multi_writers(broker: Broker, quick: bool) -> Metric:
+async def multi_writers(broker: Broker, quick: bool) -> list[Metric]:
     seconds = 3 if quick else 10
     results: dict[int, float] = {}
     for n in (1, 2, 4, 8):
@@ -466,16 +488,18 @@ async def multi_writers(broker: Broker, quick: bool) -> Metric:
             out, _ = await asyncio.to_thread(proc.communicate, timeout=300)
             rates.append(float(out.strip().splitlines()[-1]))
         results[n] = sum(rates)
-    worst = min(results[n] / results[1] for n in (2, 4, 8))
-    return Metric(
-        "aggregate writes, 2/4/8 writer processes vs 1",
-        "ops/s",
-        min(results[n] for n in (2, 4, 8)),
-        results[1],
-        ">= 0.8x",
-        worst >= 0.8,
-        details={str(k): v for k, v in results.items()},
-    )
+    return [
+        Metric(
+            f"aggregate writes, {n} writer processes vs 1",
+            "ops/s",
+            results[n],
+            results[1],
+            ">= 0.8x",
+            results[n] >= 0.8 * results[1],
+            note="each process: 50 concurrent one-op writes at a time",
+        )
+        for n in (2, 4, 8)
+    ]
 
 
 # ---------------------------------------------------------------- runner
