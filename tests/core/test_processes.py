@@ -32,7 +32,7 @@ class Workers:
         argv += ["--url", self.broker.service_url, "--admin", self.broker.admin_url]
         argv += ["--topic", self.topic, "--out", str(out)]
         for option, value in options.items():
-            argv += [f"--{option}", str(value)]
+            argv += [f"--{option}"] if value is True else [f"--{option}", str(value)]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         log = open(self.tmp_path / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
         self.procs[name] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=log)
@@ -131,6 +131,29 @@ async def test_writer_sigkilled_midway_loses_and_doubles_nothing(
     # Only the victim's last in-flight increment may have landed without an acknowledgement.
     assert len(state["seen"]) - len(acked) in (0, 1)
     assert all(len(acked_ids(workers, n)) == 200 for n in ("a", "b", "c"))
+
+
+async def test_paused_writer_is_fenced_and_its_writes_land_exactly_once(
+    workers: Workers, broker: Broker, topic: str
+) -> None:
+    """A zombie: a writer frozen (SIGSTOP) while holding the writer, taken over, resumed."""
+    workers.start("incr", "zombie", count=150, hold=True)
+    workers.wait_for_acks("zombie", 20)
+    workers.procs["zombie"].send_signal(signal.SIGSTOP)
+    try:
+        for name in ("a", "b"):
+            workers.start("incr", name, count=100, takeover=1.0)
+        workers.wait_for_acks("a", 30)  # they got the writer from the frozen holder
+        workers.wait_for_acks("b", 30)
+    finally:
+        workers.procs["zombie"].send_signal(signal.SIGCONT)
+    workers.join()
+    state = await final_state(broker, topic)
+    acked = set().union(*(acked_ids(workers, n) for n in ("zombie", "a", "b")))
+    assert len(acked) == 350
+    assert state["count"] == 350
+    assert set(state["seen"]) == acked
+    assert set(state["seen"].values()) == {1}, "a write of the zombie landed twice"
 
 
 @pytest.mark.fault

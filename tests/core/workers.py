@@ -30,8 +30,11 @@ def emit(out: TextIO, **event: Any) -> None:
 async def increments(args: argparse.Namespace) -> None:
     """Apply ``count`` increments, each with a unique id, then wait for ``expect`` in total."""
     with open(args.out, "a") as out:  # noqa: ASYNC230 - a test worker, one file per process
+        options: dict[str, Any] = {"takeover_after_s": args.takeover}
+        if args.hold:  # keep the writer between writes, as a stuck process would
+            options.update(idle_release_s=3600.0, max_hold_s=3600.0)
         async with counter_manager(
-            args.url, args.topic, args.admin, name=args.name, write_timeout_s=20.0
+            args.url, args.topic, args.admin, name=args.name, write_timeout_s=20.0, **options
         ) as manager:
             emit(out, event="open", position=manager.position)
             for i in range(args.count):
@@ -139,6 +142,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--expect", type=int, default=0)
     parser.add_argument("--keys", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--takeover", type=float, default=None)
+    parser.add_argument("--hold", action="store_true")
     args = parser.parse_args(argv)
     asyncio.run(increments(args) if args.mode == "incr" else registers(args))
     # Skip interpreter teardown: pulsar-client can crash while Python shuts down
