@@ -1074,12 +1074,20 @@ class SharedStateManager(Generic[S, Op]):
     async def _watchdog(self) -> None:
         """Fail each write whose deadline has passed, wherever it is (queued or in flight)."""
         loop = asyncio.get_running_loop()
+        prune_at, last_prune = 4096, loop.time()
         while not self._closed:
             now = loop.time()
             while self._deadlines and self._deadlines[0][0] <= now:
                 _, _, pending = heapq.heappop(self._deadlines)
                 if not pending.future.done():
                     self._fail_timeout(pending)
+            size = len(self._deadlines)
+            if size > prune_at or (size > 4096 and now - last_prune > 1.0):
+                # Finished writes would otherwise stay (with their results) until their
+                # deadline: a busy writer could hold hundreds of thousands of them.
+                self._deadlines = [d for d in self._deadlines if not d[2].future.done()]
+                heapq.heapify(self._deadlines)
+                prune_at, last_prune = max(4096, 2 * len(self._deadlines)), now
             await asyncio.sleep(0.05)
 
     def _fail_timeout(self, pending: _PendingWrite) -> None:

@@ -215,3 +215,16 @@ async def test_begin_record_stamps_the_same_positions_on_writer_and_replicas(
         stamps_a = await a.read(lambda s: dict(s["stamps"]))
         assert stamps_a == await b.read(lambda s: dict(s["stamps"]))
         assert {r.position for r in results} == set(stamps_a.values())
+
+
+async def test_finished_writes_do_not_pile_up_until_their_deadline(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url, write_timeout_s=600) as manager:
+        await asyncio.gather(*(manager.write(lambda s: [incr()]) for _ in range(5000)))
+        for _ in range(40):
+            if len(manager._deadlines) <= 4096:  # the watchdog pruned the finished ones
+                break
+            await asyncio.sleep(0.05)
+        assert len(manager._deadlines) <= 4096
+        assert await manager.read(lambda s: s["count"]) == 5000

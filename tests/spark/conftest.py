@@ -11,11 +11,15 @@ import pytest
 
 from tests.support.broker import REPO
 
-pyspark = pytest.importorskip("pyspark", reason="the spark extra is not installed")
+try:
+    from pyspark.sql import SparkSession
+except ImportError as exc:  # fail, never skip: a run without the extra must not look green
+    raise ImportError(
+        "PySpark is not installed: install the spark extra (scripts/test does), or leave "
+        "these tests out with --ignore=tests/spark"
+    ) from exc
 
-from pyspark.sql import SparkSession  # noqa: E402
-
-from pulsar_state.spark import MapSpec, close_maps  # noqa: E402
+from pulsar_state.spark import MapSpec, close_maps
 
 # Marks for every test module here. PySpark warns that it does not fully support pandas 3;
 # nothing here uses pandas through PySpark.
