@@ -1035,7 +1035,11 @@ class SharedStateManager(Generic[S, Op]):
                 except TimeoutError:
                     await self._release_writer()
                 continue
-            self._expire(loop.time())
+            # Deadlines are the watchdog's job; here only finished writes at the head are
+            # dropped (the rest are skipped when a batch is built). A full scan per batch would
+            # cost O(queue) each time under a deep queue.
+            while self._queue and self._queue[0].future.done():
+                self._queue.popleft().queued = False
             if not self._queue:
                 continue
             if self._producer is not None and loop.time() - self._producer_since > self.max_hold_s:
