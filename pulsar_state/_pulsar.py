@@ -12,8 +12,8 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -391,12 +391,3 @@ def _close_orphan(creation: asyncio.Future[Any]) -> None:
     logger.warning("closing a writer whose creation completed after its timeout")
     task = asyncio.ensure_future(producer.close())
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-
-@asynccontextmanager
-async def connection(service_url: str, **options: Any) -> AsyncIterator[PulsarConnection]:
-    conn = PulsarConnection(service_url, **options)
-    try:
-        yield conn
-    finally:
-        await conn.close()
