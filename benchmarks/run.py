@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pulsar_state import JsonCodec, SharedStateManager  # noqa: E402
+from recipes import PulsarMap  # noqa: E402
 from tests.support.broker import Broker, provide_broker  # noqa: E402
 
 
@@ -110,20 +111,6 @@ async def local_read(broker: Broker, quick: bool) -> Metric:
                 plain.get(key)
         return rounds * len(keys) / (time.perf_counter() - started)
 
-    try:
-        from recipes import PulsarMap  # type: ignore[attr-defined]
-    except ImportError:
-        PulsarMap = None
-    if PulsarMap is None:
-        return Metric(
-            "local read (map get, no I/O)",
-            "gets/s",
-            0,
-            dict_gets(),
-            ">= 0.5x",
-            False,
-            note="PulsarMap not available",
-        )
     async with PulsarMap(broker.service_url, topic("local"), admin_url=broker.admin_url) as kv:
         await kv.put_all({k: i for i, k in enumerate(keys)})
         best_lib, best_raw = 0.0, 0.0

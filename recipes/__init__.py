@@ -2,6 +2,8 @@
 
 * :class:`PulsarMap` / :class:`SyncPulsarMap`: a replicated key-value map (the PIP's recipe),
   with versions, compare-and-set and watches.
+* :mod:`recipes.spark` (the ``spark`` extra): PySpark jobs sharing PulsarMaps. A layer above
+  this one: import it explicitly; nothing here imports it.
 """
 
 from ._map_ops import MapEntry, MapEvent

@@ -255,6 +255,12 @@ class SyncPulsarMap(Generic[K, V]):
     ) -> MapEntry[V] | None:
         return self._read(lambda: self._map.entry(key, latest=latest, timeout=timeout), timeout)
 
+    def entries(
+        self, *, latest: bool = False, timeout: float | None = None
+    ) -> list[tuple[K, MapEntry[V]]]:
+        """As :meth:`PulsarMap.entries`."""
+        return self._read(lambda: self._map.entries(latest=latest, timeout=timeout), timeout)
+
     def range(
         self,
         from_key: K | None,

@@ -249,8 +249,3 @@ class WatchHub(Generic[K, V]):
             sentinel.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sentinel
-
-    @property
-    def watching(self) -> int:
-        """How many watches are open."""
-        return len(self._feeds)

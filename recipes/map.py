@@ -333,6 +333,24 @@ class PulsarMap(Generic[K, V]):
 
         return await self._read(lookup, latest, timeout)
 
+    async def entries(
+        self, *, latest: bool = False, timeout: float | None = None
+    ) -> list[tuple[K, MapEntry[V]]]:
+        """Every key with its value and version, in key order, from ONE consistent state.
+
+        A list taken from one state of the map (never a mix of two), like :meth:`all` but with
+        each key's version (the position of the write that last changed it).
+        """
+
+        def run(state: MapState[K, V]) -> list[tuple[K, MapEntry[V]]]:
+            entries = state.entries
+            return [
+                (key, MapEntry(detached(entries[key].value), entries[key].version))
+                for key in state.sorted_keys()
+            ]
+
+        return await self._read(run, latest, timeout)
+
     # ------------------------------------------------------------------ reads (Samza)
 
     async def range(

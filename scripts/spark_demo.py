@@ -49,7 +49,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
-from pulsar_state.spark import (
+from recipes.spark import (
     MapSpec,
     PulsarMapSink,
     SharedConfig,

@@ -218,6 +218,50 @@ async def test_versions_are_the_positions_of_the_writes(
         assert await a.entry("absent") is None
 
 
+async def test_entries_are_every_key_with_its_version_from_one_state(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        new_map(service_url, topic, admin_url) as a,
+        new_map(service_url, topic, admin_url) as b,
+    ):
+        assert await b.entries(latest=True) == []
+        first = await a.put_all({"b": {"n": 1}, "a": 1})
+        second = await a.put("c", "x")
+        assert await b.entries(latest=True) == [
+            ("a", MapEntry(1, first)),
+            ("b", MapEntry({"n": 1}, first)),
+            ("c", MapEntry("x", second)),
+        ]
+        local = await a.entries()  # latest=False: this replica, no I/O
+        assert [key for key, _ in local] == ["a", "b", "c"]
+        local[1][1].value["n"] = 99  # a copy: the map keeps its own value
+        assert await a.get("b") == {"n": 1}
+
+        # Every write sets all the keys at once: a read from one state sees them all with the
+        # same value and version, however the reads and writes interleave.
+        keys = [f"k{i:02d}" for i in range(30)]
+
+        async def write_rounds() -> None:
+            for n in range(20):
+                await a.put_all({key: n for key in keys})
+
+        async def read_rounds() -> int:
+            reads = 0
+            while not writer.done():
+                entries = await b.entries(latest=True)
+                found = [entry for key, entry in entries if key in keys]
+                if found:
+                    assert len(found) == len(keys)
+                    assert len({(e.value, e.version) for e in found}) == 1, found
+                reads += 1
+            return reads
+
+        writer = asyncio.ensure_future(write_rounds())
+        assert await asyncio.wait_for(read_rounds(), WAIT_S) > 0
+        await writer
+
+
 async def test_replace_version_is_compare_and_set_on_the_version(
     service_url: str, admin_url: str, topic: str
 ) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pulsar_state import BlockingPortal, ClosedError, CodecError, OperationTimeoutError
-from recipes import MapEvent, PulsarMap, SyncPulsarMap
+from recipes import MapEntry, MapEvent, PulsarMap, SyncPulsarMap
 
 WAIT_S = 60.0
 
@@ -68,6 +68,19 @@ def test_sync_facade_forwards_every_call(service_url: str, admin_url: str, topic
         assert b.stats.position == b.position
     with pytest.raises(ClosedError):
         a.get("k")
+
+
+def test_sync_entries_forwards(service_url: str, admin_url: str, topic: str) -> None:
+    with (
+        sync_map(service_url, topic, admin_url) as a,
+        sync_map(service_url, topic, admin_url) as b,
+    ):
+        position = a.put_all({"y": 2, "x": 1})
+        assert b.entries(latest=True, timeout=WAIT_S) == [
+            ("x", MapEntry(1, position)),
+            ("y", MapEntry(2, position)),
+        ]
+        assert a.entries() == b.entries()
 
 
 def test_sync_watch_and_close_from_another_thread(

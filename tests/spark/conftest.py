@@ -19,7 +19,7 @@ except ImportError as exc:  # fail, never skip: a run without the extra must not
         "these tests out with --ignore=tests/spark"
     ) from exc
 
-from pulsar_state.spark import MapSpec, close_maps
+from recipes.spark import MapSpec, close_maps
 
 # Marks for every test module here. PySpark warns that it does not fully support pandas 3;
 # nothing here uses pandas through PySpark.

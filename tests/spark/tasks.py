@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pulsar_state.spark import MapSpec, get_map
+from recipes.spark import MapSpec, get_map
 
 
 @dataclass(frozen=True)

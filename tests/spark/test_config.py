@@ -17,7 +17,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
 from pulsar_state import ConfigurationError
-from pulsar_state.spark import MapSpec, SharedConfig, get_map
+from recipes.spark import MapSpec, SharedConfig, get_map
 from tests.spark.conftest import SPARK_MARKS, WAIT_S
 from tests.spark.tasks import JobConfig, NeedsName
 from tests.support.broker import REPO
@@ -140,7 +140,7 @@ def test_two_running_queries_and_another_process_share_config(
         # Another application: a separate Python process using the config API.
         # It leaves its cached map open: the atexit hook closes it, and the process exits.
         code = (
-            "from pulsar_state.spark import MapSpec, SharedConfig\n"
+            "from recipes.spark import MapSpec, SharedConfig\n"
             "from tests.spark.tasks import JobConfig\n"
             f"spec = MapSpec({spec.service_url!r}, {spec.topic!r}, admin_url={spec.admin_url!r})\n"
             "print(SharedConfig(spec, JobConfig).update(delay_threshold_min=90))\n"

@@ -10,8 +10,8 @@ from pyspark.sql import SparkSession
 from pyspark.sql.types import DoubleType, LongType, StringType
 
 from pulsar_state import ConfigurationError
-from pulsar_state.spark import MapSpec, PulsarMapSink, map_dataframe
 from recipes import SyncPulsarMap
+from recipes.spark import MapSpec, PulsarMapSink, map_dataframe
 from tests.spark.conftest import SPARK_MARKS, WAIT_S
 
 pytestmark = SPARK_MARKS

@@ -17,7 +17,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 
 from pulsar_state import ConfigurationError, RecordTooLargeError
-from pulsar_state.spark import MapSpec, PulsarMapSink, SinkResult, get_map, map_dataframe
+from recipes.spark import MapSpec, PulsarMapSink, SinkResult, get_map, map_dataframe
 from tests.spark.conftest import SPARK_MARKS, WAIT_S
 from tests.spark.tasks import flights_csv
 

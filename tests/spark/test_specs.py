@@ -15,9 +15,9 @@ import pytest
 from pyspark import cloudpickle
 from pyspark.sql import SparkSession
 
-import pulsar_state.spark as pulsar_spark
 from pulsar_state import AvroCodec, ClosedError, ConfigurationError, StrCodec
-from pulsar_state.spark import MapSpec, close_maps, get_map
+from recipes.spark import MapSpec, close_maps, get_map
+from recipes.spark import _specs as pulsar_spark
 from tests.spark import tasks
 from tests.spark.conftest import SPARK_MARKS, WAIT_S, map_options
 

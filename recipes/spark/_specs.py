@@ -1,0 +1,211 @@
+"""Specs and the per-process cache: which map to reach, and this process's open copy of it.
+
+Fork safety: see the package's doc; the cache below is keyed by process for it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import hashlib
+import logging
+import os
+import pickle
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pulsar_state import BlockingPortal, ClosedError, Codec, ConfigurationError
+from recipes import SyncPulsarMap
+
+__all__ = ["MapSpec", "close_maps", "get_map"]
+
+# Under the library's logger tree (README: Logging), as before the move into recipes.
+logger = logging.getLogger("pulsar_state.spark")
+
+# Options a spec cannot carry: the map sets the first ones, and the cache supplies the portal.
+_RESERVED_OPTIONS = frozenset(
+    {"initial_state", "apply", "codec", "copy_state", "begin_record", "portal", "admin_url"}
+)
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """How to reach one PulsarMap: picklable, so it can travel to Spark executors.
+
+    Args:
+        service_url: the broker's service URL (``pulsar://host:6650``).
+        topic: the map's topic.
+        admin_url: the broker's admin REST URL (default derived from the service URL).
+        key_codec / value_codec: the map's codecs (default: str keys, JSON values). They
+            travel with the spec, so they must pickle.
+        options: other :class:`~pulsar_state.SharedStateManager` options (timeouts,
+            ``max_record_bytes``, ``name``...). They must pickle too.
+
+    Two specs with equal fields name the same cached map in a process (see :func:`get_map`).
+    A spec that cannot be pickled is refused here, not on an executor.
+    """
+
+    service_url: str
+    topic: str
+    admin_url: str | None = None
+    key_codec: Codec[Any] | None = None
+    value_codec: Codec[Any] | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.service_url, str) or not self.service_url:
+            raise ConfigurationError("service_url must be a service URL string (a spec pickles)")
+        if not isinstance(self.topic, str) or not self.topic:
+            raise ConfigurationError("topic must be a non-empty string")
+        reserved = sorted(_RESERVED_OPTIONS & set(self.options))
+        if reserved:
+            raise ConfigurationError(f"a MapSpec cannot carry {', '.join(reserved)} in options")
+        object.__setattr__(self, "options", dict(self.options))
+        try:
+            identity = pickle.dumps(
+                (
+                    self.service_url,
+                    self.topic,
+                    self.admin_url,
+                    self.key_codec,
+                    self.value_codec,
+                    sorted(self.options.items()),
+                ),
+                protocol=5,
+            )
+        except Exception as exc:
+            raise ConfigurationError(f"a MapSpec must pickle (codecs and options): {exc}") from exc
+        # Equal specs pickle to equal bytes: the cache key, stable across processes.
+        object.__setattr__(self, "_key", hashlib.sha256(identity).hexdigest())
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MapSpec) and other.key == self.key
+
+    @property
+    def key(self) -> str:
+        """A digest of every field: equal specs have equal keys (in any process)."""
+        return str(self.__dict__["_key"])
+
+    def with_options(self, **options: Any) -> MapSpec:
+        """This spec with more (or other) manager options."""
+        return dataclasses.replace(self, options={**self.options, **options})
+
+    def open(self, *, timeout: float | None = None) -> SyncPulsarMap[Any, Any]:
+        """This process's cached, open map for this spec (see :func:`get_map`)."""
+        return get_map(self, timeout=timeout)
+
+    def new_map(self, *, portal: BlockingPortal | None = None) -> SyncPulsarMap[Any, Any]:
+        """A new, unopened, uncached map for this spec (the caller opens and closes it)."""
+        return SyncPulsarMap(
+            self.service_url,
+            self.topic,
+            key_codec=self.key_codec,
+            value_codec=self.value_codec,
+            portal=portal,
+            admin_url=self.admin_url,
+            **self.options,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _SPEC_FIELDS}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(MapSpec))
+
+
+# ---------------------------------------------------------------------------------- the cache
+
+
+class _Cache:
+    """This process's open maps, one per spec, sharing one portal (one event-loop thread)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.maps: dict[str, SyncPulsarMap[Any, Any]] = {}
+        self.portal: BlockingPortal | None = None
+
+
+_cache = _Cache()
+# What a forked child inherited: never used, never closed. Kept referenced so that no
+# finalizer of the parent's client runs in the child while it lives.
+_inherited: list[_Cache] = []
+
+
+def _after_fork_in_child() -> None:
+    global _cache
+    # The parent's lock may have been held by another thread at fork: replace it too.
+    _inherited.append(_cache)
+    _cache = _Cache()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _current_cache() -> _Cache:
+    # register_at_fork covers os.fork(); the pid check also covers a fork that bypassed it.
+    if _cache.pid != os.getpid():
+        _after_fork_in_child()
+    return _cache
+
+
+def get_map(spec: MapSpec, *, timeout: float | None = None) -> SyncPulsarMap[Any, Any]:
+    """The open map for ``spec`` in this process, opened (replayed) on first use and cached.
+
+    Safe from any thread; the first call for a spec opens the map (up to ``timeout``, default
+    the spec's ``open_timeout_s``), later calls return the same object. In a forked child
+    (a PySpark worker), the maps inherited from the parent are ignored and the child opens its
+    own. Do not close the returned map yourself: :func:`close_maps` does (and runs at exit);
+    a cached map found closed is replaced by a new one.
+    """
+    cache = _current_cache()
+    with cache.lock:
+        cached = cache.maps.get(spec.key)
+        if cached is not None:
+            try:
+                len(cached)  # local, no I/O; raises ClosedError if someone closed it
+                return cached
+            except ClosedError:
+                del cache.maps[spec.key]
+        if cache.portal is None:
+            cache.portal = BlockingPortal(name="pulsar-state-spark")
+        new = spec.new_map(portal=cache.portal)
+        try:
+            new.open(timeout=timeout)
+        except BaseException:
+            _close_quietly(new)
+            raise
+        cache.maps[spec.key] = new
+        return new
+
+
+def _close_quietly(m: SyncPulsarMap[Any, Any]) -> None:
+    try:
+        m.close()
+    except Exception as exc:  # closing is best effort: the process is done with it
+        logger.warning("closing the map on %s failed: %s", m.topic, exc)
+
+
+def close_maps() -> None:
+    """Close every map this process cached (and their portal). Runs at interpreter exit."""
+    cache = _current_cache()
+    with cache.lock:
+        maps, cache.maps = list(cache.maps.values()), {}
+        portal, cache.portal = cache.portal, None
+    for m in maps:
+        _close_quietly(m)
+    if portal is not None:
+        portal.stop()
+
+
+atexit.register(close_maps)
