@@ -445,13 +445,17 @@ class SharedStateManager(Generic[S, Op]):
     async def _bootstrap(self) -> None:
         tail = await self._admin.last_position(self.topic)
         if tail is None or self._reached(tail):
-            self._report_progress(time.monotonic(), None, None, done=True)
+            # The pump got there first (or there is nothing): the work was what it read.
+            read = self.stats.records_read, self.stats.bytes_read
+            self._report_progress(time.monotonic(), *read, done=True)
             return
         records_total: int | None
         bytes_total: int | None
         try:
             # After a snapshot only the records past it are replayed: count just those.
-            after = self._read_position if self._loaded_manifest is not None else None
+            # The snapshot's own position, not the read position: the pump is already moving.
+            loaded = self._loaded_manifest
+            after = LogPosition(loaded.log_ledger, loaded.log_entry) if loaded else None
             records_total, bytes_total = await self._admin.backlog(self.topic, after=after)
         except PulsarStateError:
             records_total = bytes_total = None
