@@ -26,9 +26,10 @@ from ._errors import (
     WriteOutcomeUnknownError,
     WriterBusyError,
 )
-from ._manager import AppliedRecord, ManagerStats, ReplayProgress, SharedStateManager, WriteResult
+from ._manager import SharedStateManager
 from ._pulsar import LogPosition
 from ._sync import BlockingPortal, SyncSharedStateManager
+from ._types import AppliedRecord, ManagerStats, ReplayProgress, WriteResult
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,8 @@ from typing import Any, Generic, TypeVar, overload
 
 from ._envelope import SnapshotManifest
 from ._errors import ClosedError, OperationTimeoutError
-from ._manager import ManagerStats, SharedStateManager, WriteResult
+from ._manager import SharedStateManager
+from ._types import ManagerStats, WriteResult
 
 __all__ = ["BlockingPortal", "SyncSharedStateManager"]
 
