@@ -68,3 +68,10 @@ __all__ = [
     "WriterBusyError",
     "__version__",
 ]
+
+# Public objects report the public module (``pulsar_state.ClosedError``, not
+# ``pulsar_state._errors.ClosedError``) in reprs, tracebacks and docs, as httpx does.
+for _name in __all__:
+    if not _name.startswith("__"):
+        globals()[_name].__module__ = __name__
+del _name
