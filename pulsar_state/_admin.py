@@ -144,6 +144,14 @@ class AdminClient:
             self._drop()
             raise
 
+    async def close(self) -> None:
+        """Close the kept-alive connection (a later call opens a new one)."""
+        await asyncio.to_thread(self._close_blocking)
+
+    def _close_blocking(self) -> None:
+        with self._lock:  # not under a request running in another thread
+            self._drop()
+
     def _drop(self) -> None:
         if self._conn is not None:
             self._conn.close()

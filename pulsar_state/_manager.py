@@ -328,6 +328,8 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             await _cancel(self._pump_task)
         self._pending.fail_in_flight()
         self._replica.fail_waiters(closed)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._admin.close(), timeout)
         if self._conn is not None and self._owns_conn:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._conn.close(), timeout)

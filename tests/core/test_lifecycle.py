@@ -53,3 +53,15 @@ async def test_closed_or_never_opened_managers_do_not_warn(
         refs = [weakref.ref(m) for m in holder]
         forget(holder)
         assert all(ref() is None for ref in refs)
+
+
+async def test_a_closed_manager_leaves_no_socket_open(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        holder = [counter_manager(service_url, topic, admin_url)]
+        async with holder[0]:
+            await holder[0].read(lambda s: s, latest=True)  # uses the admin connection
+        forget(holder)
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
