@@ -137,8 +137,16 @@ class Replica(Generic[S, Op]):
                     return
 
     async def _next_batch(self) -> list[RawMessage] | None:
-        """The next messages; a reader that failed for good is replaced after a pause,
-        resuming right after the last message this replica has seen. None once closed."""
+        """The next messages; None once closed. A reader that failed for good is replaced
+        after a pause, resuming right after the last message this replica has handled."""
+        assert self._reader is not None
+        try:
+            return await self._reader.read_batch()  # the hot path: no retry machinery
+        except PulsarStateError as exc:
+            if self._context.closed:
+                return None
+            logger.warning("reading %s failed (%s); reopening the reader", self._topic, exc)
+        await asyncio.sleep(_REOPEN_PAUSE_S)  # the client reconnects by itself meanwhile
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(self._worth_retrying),
@@ -147,9 +155,10 @@ class Replica(Generic[S, Op]):
                 reraise=True,
             ):
                 with attempt:
-                    if attempt.retry_state.attempt_number > 1:
-                        assert self._conn is not None
-                        await self.open_reader(self._conn)
+                    if self._context.closed:
+                        return None
+                    assert self._conn is not None
+                    await self.open_reader(self._conn)
                     assert self._reader is not None
                     return await self._reader.read_batch()
         except PulsarStateError:
@@ -163,7 +172,7 @@ class Replica(Generic[S, Op]):
 
     def _log_read_failure(self, retry_state: RetryCallState) -> None:
         failed = retry_state.outcome.exception() if retry_state.outcome is not None else None
-        logger.warning("reading %s failed (%s); reopening the reader", self._topic, failed)
+        logger.warning("reader on %s failed again (%s); reopening it", self._topic, failed)
 
     # ------------------------------------------------------------------ applying
 
