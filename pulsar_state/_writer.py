@@ -100,20 +100,21 @@ class Writer:
         """Serve the write queue until the manager closes or the replica halts; a failed
         turn releases the writer and pauses before the next."""
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(Exception),
-            wait=_pause,
-            before_sleep=self._after_failure,
+            retry=retry_if_exception_type(Exception), wait=_pause, before_sleep=self._log_failure
         ):
             with attempt:
-                await self._serve()
+                try:
+                    await self._serve()
+                except Exception:
+                    await self.release()
+                    raise
 
-    async def _after_failure(self, state: RetryCallState) -> None:
+    def _log_failure(self, state: RetryCallState) -> None:
         failed = state.outcome.exception() if state.outcome is not None else None
         if isinstance(failed, PulsarStateError):
             logger.info("writer on %s: %s; retrying", self._topic, failed)
         else:
             logger.error("writer loop on %s failed; retrying", self._topic, exc_info=failed)
-        await self.release()
 
     async def _serve(self) -> None:
         pending, wake = self._pending, self._pending.wake
