@@ -127,14 +127,15 @@ async def test_broker_comes_back_after_each_sigkill(broker: Broker, topic: str) 
     recognises its own value) and every new ledger failed with "not enough bookies".
 
     The classpath check fails every time without the fix (standalone broker). The restarts
-    catch the race itself only by chance (about 1 restart in 3 hit it, so three restarts miss it
-    about 30% of the time); scripts/restart-loop is the longer measurement.
+    catch the race itself only by chance: about 1 restart in 3 hit it, so two restarts (kept
+    to two for time: a start takes 30-90 s on a loaded 2-core machine) miss it almost half the
+    time. scripts/restart-loop is the real measurement (20/20 healthy with the fix).
     """
     if broker.kind == "standalone":
         jar = broker.classpath_jar("org.apache.bookkeeper.bookkeeper-server-")
         methods = declared_methods_in_jar(jar, "org.apache.bookkeeper.discover.BookieServiceInfo")
         assert {"equals", "hashCode"} <= methods, f"{jar.name} has the restart livelock"
-    for restart in range(3):
+    for restart in range(2):
         before = f"{topic}-before-{restart}".encode()
         await write_and_read_back(broker.service_url, f"{topic}-before-{restart}", before)
         # For a standalone broker, start itself fails when the registration flaps.
