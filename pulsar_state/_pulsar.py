@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -223,6 +224,37 @@ async def close_in_own_thread_async(close: Callable[[], object], timeout: float,
     if error is not None:
         logger.debug("closing %s: %s", what, error)
     return True
+
+
+def _tolerate_closed_loops() -> None:
+    """Make pulsar.asyncio's completion callbacks a no-op once their event loop is closed.
+
+    They run on the C++ client's threads and call ``loop.call_soon_threadsafe``, which raises
+    when the loop is closed; the C++ client then aborts the process (``terminate called after
+    throwing an instance of 'pybind11::error_already_set'``). It happens when ``asyncio.run``
+    returns while an operation is still in flight, e.g. the idle release of the writer (a
+    producer close) of a manager left open. Nobody can await a closed loop's future.
+    """
+
+    def guard(complete: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(complete)
+        def guarded(future: asyncio.Future[Any], *args: Any, **kwargs: Any) -> None:
+            try:
+                complete(future, *args, **kwargs)
+            except RuntimeError:
+                if not future.get_loop().is_closed():
+                    raise
+
+        guarded._pulsar_state_guarded = True  # type: ignore[attr-defined]
+        return guarded
+
+    for name in ("_set_future", "_set_future_v2"):
+        complete = getattr(pulsar_asyncio, name, None)
+        if complete is not None and not getattr(complete, "_pulsar_state_guarded", False):
+            setattr(pulsar_asyncio, name, guard(complete))
+
+
+_tolerate_closed_loops()
 
 
 def _check_process(pid: int, what: str) -> None:

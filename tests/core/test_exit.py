@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -30,6 +33,41 @@ def test_short_lived_processes_exit_cleanly(broker: Broker) -> None:
     assert {mode for mode, _, _ in results} == set(MODES)
     summary = "\n".join(f"--- {mode} exited {code}:\n{err[-600:]}" for mode, code, err in failed)
     assert not failed, f"{len(failed)}/{PROCESSES} processes failed:\n{summary}"
+
+
+def test_completion_after_the_event_loop_closed_does_not_abort(broker: Broker) -> None:
+    # asyncio.run returned while a pulsar.asyncio operation was in flight (in the library: the
+    # idle release of a manager left open); the operation completes when the client closes, and
+    # its callback finds the loop closed. Without the guard: SIGABRT (pybind11 error_already_set).
+    program = textwrap.dedent(
+        """
+        import asyncio, sys
+        import pulsar, pulsar.asyncio
+        import pulsar_state
+
+        async def main():
+            client = pulsar.asyncio.Client(
+                sys.argv[1], logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error)
+            )
+            reader = await client.create_reader(sys.argv[2], pulsar.MessageId.latest)
+            asyncio.ensure_future(reader.read_next())  # nothing to read: stays pending
+            await asyncio.sleep(0.2)
+            return client, reader
+
+        client, reader = asyncio.run(main())
+        client._client.close()  # fails the pending read
+        print("survived")
+        """
+    )
+    topic = f"persistent://public/default/test-closed-loop-{os.urandom(4).hex()}"
+    done = subprocess.run(
+        [sys.executable, "-c", program, broker.service_url, topic],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "survived" in done.stdout
 
 
 def test_client_log_reaches_python_logging_not_stdout(
