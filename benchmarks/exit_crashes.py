@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import faulthandler
 import importlib
 import os
 import subprocess
@@ -37,7 +38,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 MODES = ("async-close", "sync-close", "async-unclosed", "sync-unclosed", "spark-cache")
-_CHILD_TIMEOUT_S = 180.0
+# A child still running after _HANG_S prints its threads' stacks and exits 1 (faulthandler);
+# one that cannot even do that is killed at _CHILD_TIMEOUT_S and reported as exit -999.
+_HANG_S = int(os.environ.get("EXIT_LOOP_HANG_S", "120"))
+_CHILD_TIMEOUT_S = _HANG_S + 30.0
 
 
 def _apply(state: dict[str, Any], op: dict[str, Any]) -> None:
@@ -122,6 +126,7 @@ def _spark_child(url: str, admin_url: str, topic: str) -> None:
 
 
 def child(mode: str, url: str, admin_url: str, topic: str) -> None:
+    faulthandler.dump_traceback_later(_HANG_S, exit=True)
     if mode in ("async-close", "async-unclosed"):
         asyncio.run(_async_child(url, admin_url, topic, close=mode == "async-close"))
     elif mode in ("sync-close", "sync-unclosed"):

@@ -26,10 +26,10 @@ import re
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import pulsar
 import pulsar.asyncio as pulsar_asyncio
@@ -60,6 +60,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("pulsar_state")
+
+T = TypeVar("T")
 
 # Closing never waits longer than this on an unresponsive broker.
 _CLOSE_TIMEOUT_S = 10.0
@@ -194,6 +196,26 @@ def close_in_own_thread(close: Callable[[], object], timeout: float, what: str) 
     return True
 
 
+async def wait_bounded(awaitable: Awaitable[T], timeout: float) -> T:
+    """``asyncio.wait_for`` that never swallows a cancellation.
+
+    On Python 3.11, ``wait_for`` returns normally when it is cancelled just as the awaited
+    operation completes; a loop around it then never ends (measured: ``asyncio.run`` hung at
+    exit on a manager left open, its writer loop cancelled during the idle writer release).
+    Raises ``TimeoutError`` after ``timeout`` (the operation is cancelled, as with wait_for).
+    """
+    future = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({future}, timeout=timeout)
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    if not done:
+        future.cancel()
+        raise TimeoutError
+    return future.result()
+
+
 async def close_in_own_thread_async(close: Callable[[], object], timeout: float, what: str) -> bool:
     """:func:`close_in_own_thread` awaited from the event loop, which keeps running meanwhile."""
     loop = asyncio.get_running_loop()
@@ -217,7 +239,7 @@ async def close_in_own_thread_async(close: Callable[[], object], timeout: float,
     except RuntimeError:  # no new threads this late in interpreter shutdown
         return close_in_own_thread(close, timeout, what)
     try:
-        error = await asyncio.wait_for(asyncio.shield(done), timeout)
+        error = await wait_bounded(asyncio.shield(done), timeout)
     except TimeoutError:
         logger.warning("closing %s took over %ss; not waiting for it", what, timeout)
         return False
@@ -359,7 +381,7 @@ class StateWriter:
             return  # the parent's producer: nothing to do with it here
         try:
             with translate_errors(f"close writer on {self._topic}"):
-                await asyncio.wait_for(self._producer.close(), _CLOSE_TIMEOUT_S)
+                await wait_bounded(self._producer.close(), _CLOSE_TIMEOUT_S)
         except (PulsarStateError, TimeoutError) as exc:
             # A fenced or disconnected producer is already released on the broker side.
             logger.debug("closing writer on %s: %s", self._topic, exc)
@@ -476,7 +498,7 @@ class StateReader:
         )
         try:
             with translate_errors(f"close reader on {self._topic}"):
-                await asyncio.wait_for(self._async_reader.close(), _CLOSE_TIMEOUT_S)
+                await wait_bounded(self._async_reader.close(), _CLOSE_TIMEOUT_S)
         except (PulsarStateError, TimeoutError) as exc:
             logger.debug("closing reader on %s: %s", self._topic, exc)
 
@@ -494,7 +516,6 @@ class PulsarConnection:
     ) -> None:
         self.service_url = service_url
         self._pid = os.getpid()
-        self._owned = True
         self._readers: list[StateReader] = []
         options: dict[str, Any] = {
             "operation_timeout_seconds": max(1, int(operation_timeout_s)),
@@ -526,7 +547,6 @@ class PulsarConnection:
         conn.service_url = getattr(client, "service_url", "")
         conn._client = client
         conn._pid = os.getpid()
-        conn._owned = False
         conn._readers = []
         return conn
 
