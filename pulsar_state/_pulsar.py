@@ -147,7 +147,11 @@ _log_pipe_lock = threading.Lock()
 
 def _client_log_option() -> Any:
     """The ``logger`` option for a new client: a C++ file logger writing into this process's
-    pipe, at the level the ``pulsar_state.client`` logger lets through (WARNING by default)."""
+    pipe, at the level the ``pulsar_state.client`` logger lets through (WARNING by default).
+
+    pulsar-client keeps the logger of the first client of the process (for all clients), so
+    the level is the one in effect when that client opened.
+    """
     global _log_pipe
     if not os.path.isdir("/dev/fd"):  # no pipe path to give the C++ logger (Windows)
         return pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn)
