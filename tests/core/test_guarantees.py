@@ -184,3 +184,20 @@ async def test_same_position_other_base_record_halts_as_forked_history(
     with pytest.raises(ReplicaHaltedError, match="forked history"):
         async with counter_manager(service_url, topic, admin_url):
             pass
+
+
+# ---------------------------------------------------------------- (h) smaller defects
+
+
+async def test_writes_expiring_while_acquiring_log_no_error(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        with caplog.at_level(logging.ERROR, logger="pulsar_state"):
+            for _ in range(20):
+                with pytest.raises(TimeoutError):
+                    await manager.write(lambda s: [incr()], timeout=1e-6)
+                await asyncio.sleep(0.02)  # let the writer loop run its turn
+            assert await manager.read(lambda s: s["count"], latest=True) == 0
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
