@@ -332,6 +332,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         if self._pump_task is not None:
             await _cancel(self._pump_task)
         self._pending.fail_in_flight()
+        self._pending.fail_queued(closed)  # anything requeued while closing
         self._replica.fail_waiters(closed)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._admin.close(), timeout)

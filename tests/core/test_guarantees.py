@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from pulsar_state import (
+    ClosedError,
     CodecError,
     CorruptRecordError,
     ForkedHistoryError,
@@ -18,6 +19,7 @@ from pulsar_state import (
     ReplicaHaltedError,
 )
 from pulsar_state._envelope import Record, Write, encode_record
+from pulsar_state._records import OutgoingRecord
 from tests.core.helpers import counter_manager, incr, raw_producer
 
 POISON = {"op": "set", "key": "poison", "value": 1}
@@ -201,3 +203,24 @@ async def test_writes_expiring_while_acquiring_log_no_error(
             assert await manager.read(lambda s: s["count"], latest=True) == 0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+
+
+async def test_write_whose_record_is_ignored_during_close_does_not_hang(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    manager = counter_manager(service_url, topic, admin_url)
+    await manager.open()
+    await manager.write(lambda s: [incr()])
+    await asyncio.sleep(0.5)  # the idle writer is released, so the raw producer gets in
+    # A write in flight in a record that will turn out stale (based on position 0).
+    pending = manager._pending
+    future = pending.submit(lambda s: [incr()], None, 30.0)
+    [write] = pending.take(1)
+    stale = Record(manager.writer_id, 999, 0, "", [Write(write.write_seq, [b'{"op":"incr"}'])])
+    pending.launch([OutgoingRecord(stale, encode_record(stale), [write])])
+    closing = asyncio.create_task(manager.aclose(timeout=8.0))
+    await asyncio.sleep(0)  # closed from here on; it waits for the write in flight
+    await send_raw(service_url, topic, stale)
+    await closing
+    with pytest.raises(ClosedError):
+        await asyncio.wait_for(future, 5)
