@@ -88,7 +88,8 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         begin_record: ``begin_record(state, position)`` runs before the ops of each accepted
             record, with the position that record gets (1 for the first): for states that
             stamp versions. Runs on the writer's trial state too, with the same position.
-        admin_url: the broker's admin REST URL (default derived from the service URL).
+        admin_url: the broker's admin REST URL (default derived from the service URL; required
+            with a borrowed client).
         on_corrupt: ``"halt"`` (default) stops applying at a foreign or damaged message and
             raises :class:`ReplicaHaltedError` from then on; ``"skip"`` logs, counts and skips.
         check_topic: refuse partitioned topics and topics whose policies lose history.
@@ -153,10 +154,14 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         self.topic = TopicName.parse(topic)
         self._pulsar_arg = pulsar
         if isinstance(pulsar, str):
-            service_url = pulsar
-        else:
-            service_url = getattr(pulsar, "service_url", "pulsar://127.0.0.1:6650")
-        self._admin = AdminClient(admin_url or default_admin_url(service_url))
+            admin_url = admin_url or default_admin_url(pulsar)
+        elif admin_url is None:
+            # A client does not tell its service URL: guessing would talk to another broker.
+            raise ConfigurationError(
+                "a borrowed pulsar.asyncio.Client needs admin_url= (the broker's admin REST "
+                "URL, e.g. http://host:8080)"
+            )
+        self._admin = AdminClient(admin_url)
         self._check_topic = check_topic
         self._settings = Settings(
             idle_release_s=idle_release_s,
@@ -327,6 +332,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         if self._pump_task is not None:
             await _cancel(self._pump_task)
         self._pending.fail_in_flight()
+        self._pending.fail_queued(closed)  # anything requeued while closing
         self._replica.fail_waiters(closed)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._admin.close(), timeout)

@@ -142,6 +142,8 @@ class Writer:
                 continue
             if self._producer is None:
                 await self._acquire()
+                if self._producer is None:
+                    continue  # every queued write expired while waiting for the writer
             await self._write_batch()
             self._after_batch()
 
