@@ -12,7 +12,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    wait_exponential,
+    wait_random,
+)
 
 from ._errors import OperationTimeoutError, PulsarStateError
 
@@ -24,7 +30,8 @@ T = TypeVar("T")
 
 # From a few milliseconds (a topic being loaded) up to a second (a broker restarting): a
 # process started during an outage notices the broker's return within about a second.
-backoff = wait_exponential_jitter(initial=0.05, max=1.0, jitter=0.1)
+# (wait_exponential_jitter's arguments changed between tenacity 8.2 and 9: composed instead.)
+backoff = wait_exponential(multiplier=0.05, max=1.0) + wait_random(0, 0.1)
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -7,6 +7,7 @@ the call must succeed once the broker is back, not fail at the first refused con
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -81,7 +82,10 @@ async def test_open_started_during_outage_opens_and_writes_after_restart(
         await late.aclose()
 
 
-async def test_write_queued_during_outage_lands_exactly_once(broker: Broker, topic: str) -> None:
+async def test_write_queued_during_outage_lands_exactly_once(
+    broker: Broker, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="pulsar_state")
     async with counter_manager(
         broker.service_url, topic, broker.admin_url, write_timeout_s=BUDGET_S
     ) as manager:
@@ -91,9 +95,18 @@ async def test_write_queued_during_outage_lands_exactly_once(broker: Broker, top
         write = asyncio.create_task(manager.write(lambda s: [incr("during")]))
         await asyncio.sleep(1.0)
         assert not write.done(), write
-        await restart(broker)
+        outage_s = await restart(broker)
+        ready = time.monotonic()
         result = await write
+        landed_s = time.monotonic() - ready
         assert result.position == 2
+        print(f"the queued write landed {landed_s:.1f}s after the broker was back")
+        assert landed_s < 15.0
+    # Backoff, not a retry storm against the restarting broker: a writer turn that fails is
+    # logged, and with backoff there are few (a turn retries for up to acquire_timeout_s).
+    failed_turns = [r for r in caplog.records if "retrying" in r.getMessage()]
+    print(f"{len(failed_turns)} failed writer turns logged during a {outage_s:.0f}s outage")
+    assert len(failed_turns) <= 10, failed_turns[:3]
     async with counter_manager(broker.service_url, topic, broker.admin_url) as fresh:
         state = await fresh.read(lambda s: s, latest=True)
     assert state == {"count": 2, "seen": {"before": 1, "during": 1}}
