@@ -26,7 +26,7 @@ from ._errors import (
     PartitionedTopicError,
     UnsafeTopicPolicyError,
 )
-from ._pulsar import LogPosition
+from ._pulsar import LogPosition, http_cause, is_transient_cause
 
 __all__ = ["AdminClient", "TopicName", "default_admin_url"]
 
@@ -121,12 +121,16 @@ class AdminClient:
                     with attempt:
                         status, body = self._request(path)
             except TimeoutError as exc:
-                raise OperationTimeoutError(f"admin GET {path} timed out") from exc
+                timed_out = OperationTimeoutError(f"admin GET {path} timed out")
+                timed_out.retriable = is_transient_cause("http timeout")
+                raise timed_out from exc
             except (http.client.HTTPException, OSError) as exc:
-                raise BrokerUnavailableError(
+                unreachable = BrokerUnavailableError(
                     f"admin API at {self.admin_url} unreachable ({exc}); pass "
                     "admin_url= if the broker's web service is elsewhere"
-                ) from exc
+                )
+                unreachable.retriable = is_transient_cause("http connection")
+                raise unreachable from exc
         try:
             detail = json.loads(body) if body.strip() else None
         except ValueError:
@@ -163,7 +167,9 @@ class AdminClient:
     async def get_ok(self, path: str) -> Any:
         status, body = await self.get(path)
         if status != 200:
-            raise BrokerError(f"admin GET {path} answered {status}: {body}", result=str(status))
+            error = BrokerError(f"admin GET {path} answered {status}: {body}", result=str(status))
+            error.retriable = is_transient_cause(http_cause(status))
+            raise error
         return body
 
     async def last_position(self, topic: TopicName) -> LogPosition | None:

@@ -44,6 +44,7 @@ from ._pending import PendingWrites
 from ._pulsar import PulsarConnection
 from ._records import RecordBuilder
 from ._replica import Replica
+from ._retry import retry_transient
 from ._snapshots import SnapshotPolicy, SnapshotStore
 from ._types import AppliedRecord, ManagerStats, OnCorrupt, ReplayProgress, WriteResult
 from ._writer import Writer
@@ -233,20 +234,23 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             raise ConfigurationError("the manager is already open")
         self._opened = True
         timeout = self.open_timeout_s if timeout is None else timeout
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            async with asyncio.timeout(timeout):
-                await self._open()
+            async with asyncio.timeout_at(deadline):
+                await self._open(deadline)
         except TimeoutError as exc:
             await self.aclose()
+            # The retry's own time-out names the last failure (e.g. the broker unreachable).
+            detail = f": {exc}" if isinstance(exc, PulsarStateError) else ""
             raise OperationTimeoutError(
                 f"opening {self.topic} did not finish in {timeout}s "
-                f"({self.stats.records_read} records replayed)"
+                f"({self.stats.records_read} records replayed){detail}"
             ) from exc
         except BaseException:
             await self.aclose()
             raise
 
-    async def _open(self) -> None:
+    async def _open(self, deadline: float) -> None:
         if isinstance(self._pulsar_arg, str):
             self._conn = PulsarConnection(
                 self._pulsar_arg,
@@ -257,33 +261,35 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         else:
             self._conn = PulsarConnection.wrap(self._pulsar_arg)
         conn, topic, replica = self._conn, str(self.topic), self._replica
-        # Creating the reader also creates the topic (auto-creation), so policies exist.
-        await replica.attach(conn)
+        # Each step is retried on transient failures (a broker restarting) up to the deadline;
+        # each is idempotent. Creating the reader also creates the topic, so policies exist.
+        await retry_transient(
+            lambda: replica.attach(conn), deadline=deadline, what=f"opening a reader on {topic}"
+        )
         if self._check_topic:
-            await self._admin.check_topic(self.topic)
-        if self._snapshot_codec is not None:
-            self._snapshots = await SnapshotPolicy.start(
-                self._context,
-                SnapshotStore(
-                    conn,
-                    self._admin,
-                    self.topic,
-                    chunk_bytes=self._snapshot_chunk_bytes,
-                    timeout_s=self.open_timeout_s,
-                ),
-                self._snapshot_codec,
-                replica,
-                self._machine.trial_copy,
-                load=self._load_snapshot,
+            await retry_transient(
+                lambda: self._admin.check_topic(self.topic),
+                deadline=deadline,
+                what=f"checking the policies of {topic}",
+            )
+        if (codec := self._snapshot_codec) is not None:
+            self._snapshots = await retry_transient(
+                lambda: self._start_snapshots(conn, codec),
+                deadline=deadline,
+                what="loading a snapshot",
             )
         self._pump_task = asyncio.create_task(replica.pump(), name=f"pulsar-state-pump-{topic}")
-        await replay_to_tail(
-            replica,
-            self._admin,
-            self.topic,
-            self.stats,
-            snapshot=self._snapshots.loaded if self._snapshots else None,
-            on_progress=self._on_progress,
+        await retry_transient(
+            lambda: replay_to_tail(
+                replica,
+                self._admin,
+                self.topic,
+                self.stats,
+                snapshot=self._snapshots.loaded if self._snapshots else None,
+                on_progress=self._on_progress,
+            ),
+            deadline=deadline,
+            what=f"replaying {topic} to its tail",
         )
         self._check_usable()  # the replay may have stopped at a bad record: refuse to open
         self._writer = Writer(
@@ -307,6 +313,27 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             replica.version,
             self.stats.records_read,
         )
+
+    async def _start_snapshots(self, conn: PulsarConnection, codec: Codec[S]) -> SnapshotPolicy[S]:
+        hooks = list(self._replica.after_apply)
+        try:
+            return await SnapshotPolicy.start(
+                self._context,
+                SnapshotStore(
+                    conn,
+                    self._admin,
+                    self.topic,
+                    chunk_bytes=self._snapshot_chunk_bytes,
+                    timeout_s=self.open_timeout_s,
+                ),
+                codec,
+                self._replica,
+                self._machine.trial_copy,
+                load=self._load_snapshot,
+            )
+        except BaseException:
+            self._replica.after_apply[:] = hooks  # a retry registers its own hook
+            raise
 
     async def aclose(self, *, timeout: float = 10.0) -> None:
         """Stop: fail queued writes, release the writer at once, stop the reader."""
@@ -405,9 +432,14 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         """Catch up with the tail of the log as of now; returns the position reached."""
         self._check_usable()
         timeout = self.read_timeout_s if timeout is None else timeout
+        deadline = asyncio.get_running_loop().time() + timeout
+        tail = await retry_transient(
+            lambda: self._admin.last_position(self.topic),
+            deadline=deadline,
+            what=f"capturing the tail of {self.topic}",
+        )
         try:
-            async with asyncio.timeout(timeout):
-                tail = await self._admin.last_position(self.topic)
+            async with asyncio.timeout_at(deadline):
                 await self._replica.wait_log(tail)
         except TimeoutError as exc:
             raise OperationTimeoutError(

@@ -98,6 +98,8 @@ class PendingWrites:
         self._in_flight: dict[str, list[PendingWrite]] = {}
         self._write_seq = itertools.count(1)
         self.wake = asyncio.Event()
+        # The writer's latest failure, named when a write times out (why it did not land).
+        self.last_failure: BaseException | None = None
 
     # ------------------------------------------------------------------ the queue
 
@@ -213,7 +215,8 @@ class PendingWrites:
                 "it was applied once or not at all",
                 write_id=wid,
             )
-        return OperationTimeoutError(f"write {wid} timed out; nothing was appended")
+        because = f" (last error: {self.last_failure})" if self.last_failure is not None else ""
+        return OperationTimeoutError(f"write {wid} timed out; nothing was appended{because}")
 
     # ------------------------------------------------------------------ in flight
 

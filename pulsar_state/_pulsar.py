@@ -56,6 +56,9 @@ __all__ = [
     "RawMessage",
     "StateReader",
     "StateWriter",
+    "TRANSIENT",
+    "http_cause",
+    "is_transient_cause",
     "translate_errors",
 ]
 
@@ -77,6 +80,79 @@ _UNAVAILABLE = {
     pulsar.Result.TooManyLookupRequestException,
     pulsar.Result.NotConnected,
 }
+
+# The one classification of transport failures, Pulsar's binary protocol and the admin REST
+# API alike: True = transient (the same call may succeed a moment later, so every call retries
+# it with backoff until its own deadline), False = permanent (retrying cannot help without a
+# change; the call fails at once). A cause missing here is permanent: fail loudly when unsure.
+TRANSIENT: dict[str, bool] = {
+    # The broker is down, restarting, or its connection broke.
+    "ConnectError": True,
+    "NotConnected": True,
+    "ReadError": True,
+    "Timeout": True,
+    "LookupError": True,
+    "TooManyLookupRequestException": True,
+    # The topic is being loaded, fenced, unloaded or moved to another broker.
+    "ServiceUnitNotReady": True,
+    "BrokerMetadataError": True,
+    # Includes "Not enough non-faulty bookies available" while the bookie comes back.
+    "BrokerPersistenceError": True,
+    "ChecksumError": True,
+    # Another process holds the writer, or ours was taken over: a later turn may get it.
+    "ProducerBusy": True,
+    "ProducerFenced": True,
+    # A reader of the same name not yet dropped after a reconnect; a client still reconnecting.
+    "ConsumerBusy": True,
+    "ProducerNotInitialized": True,
+    "ConsumerNotInitialized": True,
+    "ProducerQueueIsFull": True,
+    "MemoryBufferIsFull": True,
+    # Bad input, configuration, credentials or topic: no retry can fix these.
+    "UnknownError": False,
+    "InvalidConfiguration": False,
+    "AuthenticationError": False,
+    "AuthorizationError": False,
+    "ErrorGettingAuthenticationData": False,
+    "AlreadyClosed": False,
+    "InvalidMessage": False,
+    "InvalidTopicName": False,
+    "InvalidUrl": False,
+    "OperationNotSupported": False,
+    "ProducerBlockedQuotaExceededError": False,
+    "ProducerBlockedQuotaExceededException": False,
+    "MessageTooBig": False,
+    "TopicNotFound": False,
+    "TopicTerminated": False,
+    "SubscriptionNotFound": False,
+    "ConsumerNotFound": False,
+    "UnsupportedVersionError": False,
+    "IncompatibleSchema": False,
+    "CryptoError": False,
+    "NotAllowedError": False,
+    "Interrupted": False,
+    # Admin REST API. Connection refused/reset/closed, and a socket time-out.
+    "http connection": True,
+    "http timeout": True,
+    # A redirect to the broker that owns the topic (its ownership may be moving).
+    "http 3xx": True,
+    # Topic being loaded ("temporarily unavailable"), broker starting, overloaded.
+    "http 5xx": True,
+    "http 429": True,
+    "http 4xx": False,  # 401/403 credentials, 404 no such topic, 409/412 a conflict
+}
+
+
+def is_transient_cause(cause: str) -> bool:
+    """Whether a failure named as in :data:`TRANSIENT` may pass by itself."""
+    return TRANSIENT.get(cause, False)
+
+
+def http_cause(status: int) -> str:
+    """The :data:`TRANSIENT` key of an HTTP status that is not a success."""
+    if status == 429:
+        return "http 429"
+    return f"http {status // 100}xx"
 
 
 class _ExpectedContention(logging.Filter):
@@ -322,14 +398,22 @@ def _result_of(exc: BaseException) -> Any | None:
 
 
 def translate(exc: BaseException, context: str, *, creating_writer: bool = False) -> BaseException:
-    """Map a Pulsar exception (sync or asyncio flavour) to this library's tree.
+    """Map a Pulsar exception (sync or asyncio flavour) to this library's tree, with
+    ``retriable`` from :data:`TRANSIENT`.
 
     Anything that is not a Pulsar exception is returned unchanged.
     """
     result = _result_of(exc)
     if result is None:
         return exc
-    detail = f"{context}: {exc}"
+    error = _library_error(result, f"{context}: {exc}", context, creating_writer=creating_writer)
+    error.retriable = is_transient_cause(result.name)
+    return error
+
+
+def _library_error(
+    result: Any, detail: str, context: str, *, creating_writer: bool
+) -> PulsarStateError:
     if creating_writer and result in _HELD:
         return WriterBusyError(f"{context}: another process holds the topic's exclusive writer")
     if result == pulsar.Result.ProducerFenced:
