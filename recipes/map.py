@@ -51,12 +51,14 @@ from pulsar_state import (
 
 from ._map_ops import (
     KEY_TYPES,
+    NO_VERSION,
     MapCodecs,
     MapEntry,
     MapEvent,
     MapOp,
     MapOpCodec,
     MapState,
+    MapVersion,
     detached,
 )
 from ._map_watch import MapWatch, WatchHub
@@ -111,9 +113,12 @@ class PulsarMap(Generic[K, V]):
     each key type's ``<``: str by code point (the same as UTF-8 byte order), bytes by unsigned
     byte, ints numerically (mixed types: ints, then bytes, then str).
 
-    Versions: a key's version is the position of the write that last changed it (the
-    ``position`` of that write's record, 1 for the first record on the topic), the same on every
-    replica; an absent key has version 0. A watch reports every change (see :meth:`changes`).
+    Versions: a key's version is the :class:`~recipes.MapVersion` of the change that last set
+    it: the position of that write's record (1 for the first record on the topic) and the
+    change's index among the record's ops, packed in one int. It identifies that one change
+    (writes group-committed into one record never share a version), is the same on every
+    replica, and orders like the log; an absent key has version 0. A watch reports every
+    change with its version (see :meth:`changes`).
     """
 
     @overload
@@ -256,8 +261,11 @@ class PulsarMap(Generic[K, V]):
         return await self._manager.sync(timeout=timeout)
 
     async def wait_for(self, position: int, *, timeout: float | None = None) -> None:
-        """Wait until this replica has applied ``position`` (a write's version elsewhere)."""
+        """Wait until this replica has applied ``position`` (a write's position elsewhere;
+        a :class:`~recipes.MapVersion` stands for its own ``position``)."""
         self._check_usable()
+        if isinstance(position, MapVersion):
+            position = position.position
         await self._manager.wait_for(position, timeout=timeout)
 
     # ------------------------------------------------------------------ reads (PIP)
@@ -313,12 +321,14 @@ class PulsarMap(Generic[K, V]):
         """All keys, in key order."""
         return await self._read(lambda state: list(state.sorted_keys()), latest, timeout)
 
-    async def version(self, key: K, *, latest: bool = False, timeout: float | None = None) -> int:
-        """The position of the write that last changed ``key``; 0 if it is absent."""
+    async def version(
+        self, key: K, *, latest: bool = False, timeout: float | None = None
+    ) -> MapVersion:
+        """The version of the change that last set ``key``; 0 if it is absent."""
 
-        def lookup(state: MapState[K, V]) -> int:
+        def lookup(state: MapState[K, V]) -> MapVersion:
             entry = state.entries.get(key)
-            return 0 if entry is None else entry.version
+            return NO_VERSION if entry is None else entry.version
 
         return await self._read(lookup, latest, timeout)
 
@@ -339,7 +349,7 @@ class PulsarMap(Generic[K, V]):
         """Every key with its value and version, in key order, from ONE consistent state.
 
         A list taken from one state of the map (never a mix of two), like :meth:`all` but with
-        each key's version (the position of the write that last changed it).
+        each key's version (the :class:`~recipes.MapVersion` of the change that last set it).
         """
 
         def run(state: MapState[K, V]) -> list[tuple[K, MapEntry[V]]]:
@@ -439,18 +449,27 @@ class PulsarMap(Generic[K, V]):
         self._check_usable()
         return (await self._manager.write_ops(ops, timeout=timeout)).position
 
-    async def put(self, key: K, value: V, *, timeout: float | None = None) -> int:
-        """Bind ``key`` to ``value``; returns the key's new version (the write's position).
+    async def put(self, key: K, value: V, *, timeout: float | None = None) -> MapVersion:
+        """Bind ``key`` to ``value``; returns the key's new version (unique to this change;
+        its ``position`` is the write's position).
 
         Always writes, even when the value is unchanged. ``value`` must not be None (use
         :meth:`delete`); a key or value the codecs reject raises CodecError, sending nothing.
         """
-        return await self._write_blind([self._codecs.put(key, value)], timeout)
+        op = self._codecs.put(key, value)
+        norm_key = cast(K, op.key)
+
+        def new_version(state: MapState[K, V]) -> MapVersion:
+            # Read right after this write's op was applied: the version it stamped.
+            return state.entries[norm_key].version
+
+        return (await self._write(lambda _state: [op], new_version, timeout)).value
 
     async def put_all(
         self, entries: Mapping[K, V] | Iterable[tuple[K, V]], *, timeout: float | None = None
     ) -> int:
-        """Bind several keys in ONE atomic write; returns its position (their new version).
+        """Bind several keys in ONE atomic write; returns its position (every key's new
+        version has that ``position``; each change has its own version).
 
         Takes a mapping or ``(key, value)`` pairs (a repeated key: the last pair wins). Every
         key and value is encoded before anything is sent. The write must fit in one record
@@ -559,8 +578,8 @@ class PulsarMap(Generic[K, V]):
         that error and nothing is written. The changes must fit in one record
         (``max_record_bytes``, else RecordTooLargeError; nothing is written).
 
-        Returns the write's position (the new version of every key it changed), or None when
-        the final run of ``fn`` asked for no change (then the map was not changed).
+        Returns the write's position (the ``position`` of every changed key's new version), or
+        None when the final run of ``fn`` asked for no change (then the map was not changed).
         """
         codecs = self._codecs
         tag = _new_tag()
@@ -616,8 +635,9 @@ class PulsarMap(Generic[K, V]):
         """Compare-and-set on the version: bind ``key`` to ``value`` only if its version is
         ``expected_version`` (0 or None: only if absent). Returns whether it did.
 
-        ``value=None`` deletes the key. The new version is this write's position; read it
-        with :meth:`version`.
+        ``value=None`` deletes the key. The new version is this change's own; read it with
+        :meth:`version`. A version identifies one change, so a version read before another
+        write to the key never matches after it, even when both writes shared one record.
         """
         norm_key, key_bytes = self._codecs.key(key)
         wanted = expected_version or 0
