@@ -32,7 +32,13 @@ from ._envelope import (
     encode_manifest,
     message_fingerprint,
 )
-from ._errors import CorruptRecordError, OperationTimeoutError, PulsarStateError, WriterBusyError
+from ._errors import (
+    CodecError,
+    CorruptRecordError,
+    OperationTimeoutError,
+    PulsarStateError,
+    WriterBusyError,
+)
 from ._pulsar import LogPosition, PulsarConnection, StateWriter
 from ._replica import Replica
 
@@ -276,6 +282,33 @@ def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def encode_checked(codec: Codec[S], state: S) -> bytes:
+    """The state's snapshot bytes, refused (CodecError) unless they load back exactly.
+
+    A lossy codec (JSON turning int dict keys into str, say) would make the replicas that
+    load the snapshot differ from those that replay, and the digest check compares bytes, so
+    it would not notice: ``encode(decode(b)) == b`` always, and ``decode(b) == state`` when
+    the state's type defines equality.
+    """
+    data = codec.encode(state)
+    try:
+        loaded = codec.decode(data)
+    except Exception as exc:
+        raise CodecError(f"snapshot_codec cannot decode the bytes it encoded: {exc}") from exc
+    if codec.encode(loaded) != data:
+        raise CodecError(
+            "snapshot_codec is lossy: encode(decode(bytes)) differs from the bytes; "
+            "no snapshot written"
+        )
+    if type(state).__eq__ is not object.__eq__ and not bool(loaded == state):
+        raise CodecError(
+            f"snapshot_codec is lossy: the state decoded from a snapshot is not equal to the "
+            f"state encoded ({type(state).__name__}; e.g. JSON turns int dict keys into str); "
+            "no snapshot written"
+        )
+    return data
+
+
 class SnapshotPolicy(Generic[S]):
     """When and how this replica takes, loads and checks snapshots.
 
@@ -426,7 +459,7 @@ class SnapshotPolicy(Generic[S]):
         bytes_read = self._stats.bytes_read
         try:
             async with asyncio.timeout(timeout):
-                data = await asyncio.to_thread(self._codec.encode, state)
+                data = await asyncio.to_thread(encode_checked, self._codec, state)
                 manifest = await self._store.write(
                     data,
                     position=version,
@@ -478,6 +511,8 @@ class SnapshotPolicy(Generic[S]):
             succeeded = True
         except WriterBusyError:
             logger.debug("another process is writing a snapshot of %s", self._topic)
+        except CodecError as exc:
+            logger.error("automatic snapshot of %s refused: %s", self._topic, exc)
         except PulsarStateError as exc:
             logger.warning("automatic snapshot of %s failed: %s", self._topic, exc)
         finally:

@@ -17,7 +17,13 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import JsonCodec, ReplayProgress, SnapshotManifest
+from pulsar_state import (
+    CodecError,
+    JsonCodec,
+    ReplayProgress,
+    SharedStateManager,
+    SnapshotManifest,
+)
 from pulsar_state._envelope import encode_manifest
 from tests.core.helpers import Counter, apply_counter, counter_manager, incr, raw_producer
 from tests.support.broker import REPO, Broker, admin_request
@@ -343,3 +349,28 @@ async def test_manifest_without_fingerprint_is_checked_on_its_covered_position(
     async with counter_manager(service_url, topic, admin_url, **json_state) as reopened:
         assert reopened.stats.snapshot_loaded_position is None
         assert await reopened.read(lambda s: s["count"]) == 3
+
+
+async def test_a_lossy_snapshot_codec_is_refused_at_snapshot_time(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Issue 11 (g): JSON turns the int key into "1"; a snapshot would load a different state.
+    def apply_set(state: dict[Any, Any], op: dict[str, Any]) -> None:
+        state[int(op["key"])] = op["value"]
+
+    async with SharedStateManager(
+        service_url,
+        topic,
+        admin_url=admin_url,
+        initial_state=dict,
+        apply=apply_set,
+        snapshot_codec=JsonCodec(),
+        write_timeout_s=30.0,
+        open_timeout_s=60.0,
+    ) as manager:
+        await manager.write_ops([{"key": "1", "value": "one"}])
+        with pytest.raises(CodecError, match="lossy"):
+            await manager.snapshot()
+        assert manager.stats.snapshots_written == 0
+        await manager.write_ops([{"key": "2", "value": "two"}])  # still usable
+        assert await manager.read(lambda s: s) == {1: "one", 2: "two"}
