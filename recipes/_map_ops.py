@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import io
+import struct
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ __all__ = [
     "MapEvent",
     "MapOp",
     "MapOpCodec",
+    "MapSnapshotCodec",
     "MapState",
     "MapVersion",
     "detached",
@@ -292,6 +294,16 @@ class MapState(Generic[K, V]):
         self.events: list[MapEvent[K, V]] | None = None
         self._sorted: list[K] | None = None
 
+    def __eq__(self, other: object) -> bool:
+        # What replicas must agree on: the entries with their versions, and the position.
+        return (
+            isinstance(other, MapState)
+            and other.position == self.position
+            and other.entries == self.entries
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
     def copy(self) -> MapState[K, V]:
         trial: MapState[K, V] = MapState()
         trial.entries = dict(self.entries)
@@ -353,3 +365,51 @@ class MapState(Generic[K, V]):
     def matching(self, accept: Callable[[K], bool]) -> list[tuple[K, MapEntry[V]]]:
         entries = self.entries
         return [(key, entries[key]) for key in self.sorted_keys() if accept(key)]
+
+
+_SNAPSHOT_MAGIC = b"PSMAP\x01"
+_SNAPSHOT_HEAD = struct.Struct(">qI")  # the state's position, the number of entries
+_SNAPSHOT_ENTRY = struct.Struct(">qII")  # version, key length, value length
+
+
+class MapSnapshotCodec(Generic[K, V]):
+    """A map's whole state as bytes, built from its key and value codecs: deterministic (the
+    entries sorted by key bytes), and carrying each key's version."""
+
+    def __init__(self, codecs: MapCodecs[K, V]) -> None:
+        self._codecs = codecs
+
+    def encode(self, state: MapState[K, V], /) -> bytes:
+        codecs = self._codecs
+        items = sorted((codecs.key_bytes(key), entry) for key, entry in state.entries.items())
+        parts = [_SNAPSHOT_MAGIC, _SNAPSHOT_HEAD.pack(state.position, len(items))]
+        for key_bytes, entry in items:
+            value_bytes = _encode(codecs.values, entry.value, "value")
+            parts += [
+                _SNAPSHOT_ENTRY.pack(int(entry.version), len(key_bytes), len(value_bytes)),
+                key_bytes,
+                value_bytes,
+            ]
+        return b"".join(parts)
+
+    def decode(self, data: bytes, /) -> MapState[K, V]:
+        if not data.startswith(_SNAPSHOT_MAGIC):
+            raise CodecError("not a PulsarMap snapshot")
+        state: MapState[K, V] = MapState()
+        try:
+            offset = len(_SNAPSHOT_MAGIC)
+            state.position, count = _SNAPSHOT_HEAD.unpack_from(data, offset)
+            offset += _SNAPSHOT_HEAD.size
+            for _ in range(count):
+                version, key_len, value_len = _SNAPSHOT_ENTRY.unpack_from(data, offset)
+                offset += _SNAPSHOT_ENTRY.size
+                key = self._codecs.decode_key(data[offset : offset + key_len])
+                offset += key_len
+                value = self._codecs.decode_value(data[offset : offset + value_len])
+                offset += value_len
+                state.entries[key] = MapEntry(value, MapVersion(version))
+        except struct.error as exc:
+            raise CodecError(f"damaged PulsarMap snapshot: {exc}") from exc
+        if offset != len(data):
+            raise CodecError("damaged PulsarMap snapshot: bytes left over")
+        return state

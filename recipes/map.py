@@ -57,6 +57,7 @@ from ._map_ops import (
     MapEvent,
     MapOp,
     MapOpCodec,
+    MapSnapshotCodec,
     MapState,
     MapVersion,
     detached,
@@ -71,7 +72,9 @@ D = TypeVar("D")
 T = TypeVar("T")
 
 # SharedStateManager options that PulsarMap sets itself.
-_RESERVED_OPTIONS = frozenset({"initial_state", "apply", "codec", "copy_state", "begin_record"})
+_RESERVED_OPTIONS = frozenset(
+    {"initial_state", "apply", "codec", "copy_state", "begin_record", "snapshot_codec"}
+)
 _CLEAR: MapOp[Any, Any] = MapOp("CLEAR")
 
 
@@ -102,6 +105,9 @@ class PulsarMap(Generic[K, V]):
             ``str``, ``bytes`` or ``int`` (so JSON keys are str or int).
         value_codec: encodes values (default :class:`~pulsar_state.JsonCodec`); for example
             :class:`~pulsar_state.AvroCodec` for schema-checked records.
+        snapshots: enable snapshots (:meth:`snapshot`, ``snapshot_every_records``...) with the
+            map's own deterministic codec, built from ``key_codec`` and ``value_codec``
+            (keys, values and versions); opening then loads the newest snapshot.
         **manager_options: passed to :class:`~pulsar_state.SharedStateManager` (``admin_url``,
             timeouts, ``name``, ...); not ``initial_state``/``apply``/``codec``/``copy_state``/
             ``begin_record``, which the map sets.
@@ -129,6 +135,7 @@ class PulsarMap(Generic[K, V]):
         *,
         key_codec: None = None,
         value_codec: None = None,
+        snapshots: bool = False,
         **manager_options: Any,
     ) -> None: ...
 
@@ -140,6 +147,7 @@ class PulsarMap(Generic[K, V]):
         *,
         key_codec: None = None,
         value_codec: Codec[V],
+        snapshots: bool = False,
         **manager_options: Any,
     ) -> None: ...
 
@@ -151,6 +159,7 @@ class PulsarMap(Generic[K, V]):
         *,
         key_codec: Codec[K],
         value_codec: None = None,
+        snapshots: bool = False,
         **manager_options: Any,
     ) -> None: ...
 
@@ -162,6 +171,7 @@ class PulsarMap(Generic[K, V]):
         *,
         key_codec: Codec[K],
         value_codec: Codec[V],
+        snapshots: bool = False,
         **manager_options: Any,
     ) -> None: ...
 
@@ -172,6 +182,7 @@ class PulsarMap(Generic[K, V]):
         *,
         key_codec: Codec[Any] | None = None,
         value_codec: Codec[Any] | None = None,
+        snapshots: bool = False,
         **manager_options: Any,
     ) -> None:
         reserved = sorted(_RESERVED_OPTIONS & manager_options.keys())
@@ -193,6 +204,7 @@ class PulsarMap(Generic[K, V]):
             codec=MapOpCodec(self._codecs),
             copy_state=MapState.copy,  # shallow: entries are immutable
             begin_record=MapState.begin,
+            snapshot_codec=MapSnapshotCodec(self._codecs) if snapshots else None,
             **manager_options,
         )
         self._watches = WatchHub(state, self._manager)
@@ -206,6 +218,12 @@ class PulsarMap(Generic[K, V]):
         if self._closed:
             raise ClosedError(f"map on {self.topic} is closed")
         await self._manager.open(timeout=timeout)
+        # Opening from a snapshot replaces the state object: every view reads the live one
+        # (apply changes it in place from now on, so it stays the same object).
+        live = self._manager.read_local(lambda state: state)
+        if live is not self._state:
+            self._state = live
+            self._watches = WatchHub(live, self._manager)
         self._opened = True
 
     async def aclose(self, *, timeout: float = 10.0) -> None:
@@ -254,6 +272,14 @@ class PulsarMap(Generic[K, V]):
             )
             error.__cause__ = halted
             raise error
+
+    async def snapshot(self, *, timeout: float | None = None) -> int:
+        """Write a snapshot of the map now (needs ``snapshots=True``); returns its position.
+
+        Replicas opened later load the newest snapshot and replay only what follows it.
+        """
+        self._check_usable()
+        return (await self._manager.snapshot(timeout=timeout)).position
 
     async def sync(self, *, timeout: float | None = None) -> int:
         """Catch up with the topic's tail as of now; returns the position reached."""

@@ -326,3 +326,30 @@ async def test_lifecycle_errors(service_url: str, admin_url: str, topic: str) ->
         await m.put("a", 2)
     with pytest.raises(ClosedError):
         "a" in m  # noqa: B015
+
+
+async def test_map_opened_from_a_snapshot_reads_the_loaded_state_everywhere(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Issue 11 (f): snapshots with the map's own codec; every view reads the loaded state.
+    async with new_map(service_url, topic, admin_url, snapshots=True) as writer:
+        await writer.put_all({"a": 1, "b": {"n": 2}})
+        await writer.put("c", [3])
+        assert await writer.snapshot() == writer.position
+        await writer.put("d", 4)  # after the snapshot: replayed
+        expected = await writer.entries()
+    async with new_map(service_url, topic, admin_url, snapshots=True) as m:
+        assert m.stats.snapshot_loaded_position == 2
+        assert await m.entries() == expected
+        assert len(m) == 4
+        assert m.keys() == ["a", "b", "c", "d"]
+        assert m.get_local("b") == {"n": 2}
+        assert "a" in m
+        async with m.changes() as watch:
+            first = await watch.next(timeout=WAIT_S)
+            assert first is not None
+            assert (first.key, first.value) == ("a", 1)
+            await m.put("e", 5)
+            assert len(m) == 5
+    with pytest.raises(ConfigurationError, match="snapshot_codec"):
+        PulsarMap(service_url, topic, admin_url=admin_url, snapshot_codec=JsonCodec())
