@@ -637,7 +637,9 @@ class PulsarMap(Generic[K, V]):
         equals ``expected``. Returns whether it did (True: this call's write changed the key).
 
         ``expected=None`` means "only if absent"; ``value=None`` deletes the key. Values are
-        compared after normalisation through the codec, with ``==``.
+        compared after normalisation through the codec, with ``==``. True means the key
+        changed: ``replace(key, None, None)`` (delete if absent) changes nothing and returns
+        False, as does ``replace_version(key, 0, None)``.
         """
         norm_key, key_bytes = self._codecs.key(key)
         wanted = None if expected is None else self._codecs.value(expected)[0]
@@ -646,6 +648,8 @@ class PulsarMap(Generic[K, V]):
 
         def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
             entry = state.entries.get(norm_key)
+            if entry is None and value is None:
+                return []  # deleting an absent key changes nothing: not a successful swap
             return [op] if (None if entry is None else entry.value) == wanted else []
 
         return (await self._write(generator, lambda s: s.last_tag == tag, timeout)).value
@@ -672,6 +676,8 @@ class PulsarMap(Generic[K, V]):
 
         def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
             entry = state.entries.get(norm_key)
+            if entry is None and value is None:
+                return []  # deleting an absent key changes nothing: not a successful swap
             return [op] if (0 if entry is None else entry.version) == wanted else []
 
         return (await self._write(generator, lambda s: s.last_tag == tag, timeout)).value

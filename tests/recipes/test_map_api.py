@@ -353,3 +353,17 @@ async def test_map_opened_from_a_snapshot_reads_the_loaded_state_everywhere(
             assert len(m) == 5
     with pytest.raises(ConfigurationError, match="snapshot_codec"):
         PulsarMap(service_url, topic, admin_url=admin_url, snapshot_codec=JsonCodec())
+
+
+async def test_swapping_absent_for_absent_is_not_a_change(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Issue 11 (h): delete-if-absent on an absent key changed nothing, yet returned True.
+    async with new_map(service_url, topic, admin_url) as m:
+        assert await m.replace("nokey", None, None) is False
+        assert await m.replace_version("nokey", 0, None) is False
+        assert await m.replace_version("nokey", None, None) is False
+        assert "nokey" not in m
+        await m.put("k", 1)
+        assert await m.replace("k", 1, None) is True  # a real delete still succeeds
+        assert "k" not in m
