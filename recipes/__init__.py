@@ -6,7 +6,7 @@
   this one: import it explicitly; nothing here imports it.
 """
 
-from ._map_ops import MapEntry, MapEvent
+from ._map_ops import MapEntry, MapEvent, MapVersion
 from ._map_sync import SyncMapWatch, SyncPulsarMap
 from ._map_watch import MapWatch, WatchOverflowError
 from .map import PulsarMap
@@ -14,6 +14,7 @@ from .map import PulsarMap
 __all__ = [
     "MapEntry",
     "MapEvent",
+    "MapVersion",
     "MapWatch",
     "PulsarMap",
     "SyncMapWatch",
