@@ -66,6 +66,8 @@ _RESERVED_OPTIONS = frozenset({"initial_state", "apply", "codec", "copy_state", 
 # replica races to append the same tick) before appending the tick that expires it.
 _REAP_GRACE_S = 0.05
 _REAP_JITTER_S = 0.1
+# Re-check at least this often even without news (a backstop; the listener wakes it).
+_REAP_IDLE_S = 5.0
 
 Subscriber = Callable[[list[LeaseEvent], LeaseTable], None]
 
@@ -134,6 +136,7 @@ class Ownership:
         self._changed: asyncio.Event | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._opened = False
+        self._stopping = False
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -155,6 +158,7 @@ class Ownership:
         """Stop renewing; release this process's leases (``release=True``); disconnect."""
         if self._closed:
             return
+        self._stopping = True
         tasks = [t for t in [self._reaper, *self._keepers.values()] if t is not None]
         for task in tasks:
             task.cancel()
@@ -249,8 +253,8 @@ class Ownership:
         timeout: float | None = None,
         keep_alive: bool = True,
     ) -> Lease | None:
-        """``acquire`` without waiting: the lease if every name is free for ``mode`` now,
-        else None (and nothing is written)."""
+        """``acquire`` without waiting: the lease if every name is free for ``mode`` at the
+        tail of the log, else None (the table is left unchanged)."""
         return await self._acquire(names, mode, ttl, timeout, False, keep_alive)
 
     async def _acquire(
@@ -294,7 +298,8 @@ class Ownership:
             if keep_alive:
                 self._keep(lease_id, ttl)
             if not lease.held:
-                lease = await asyncio.wait_for(granted, _left(deadline))
+                async with asyncio.timeout(_left(deadline)):
+                    lease = await granted
         except BaseException as exc:
             self._pending.pop(lease_id, None)
             self._stop_keeping(lease_id)
@@ -447,6 +452,8 @@ class Ownership:
     # ------------------------------------------------------------------ background work
 
     def _on_record(self, record: AppliedRecord[Any]) -> None:
+        if self._manager.closed:
+            return
         events: list[LeaseEvent] = self._manager.read_local(lambda s: s.events)
         for event in events:
             lease_id = event.lease.id
@@ -489,7 +496,7 @@ class Ownership:
 
     async def _keep_alive(self, lease_id: str, ttl: float) -> None:
         interval = ttl / 3
-        while True:
+        while not self._stopping:
             await asyncio.sleep(interval)
             try:
                 await self._renew(lease_id, ttl, timeout=max(interval, 0.5))
@@ -507,16 +514,17 @@ class Ownership:
     async def _reap_loop(self) -> None:
         assert self._changed is not None
         changed = self._changed
-        while not self._closed:
+        while not self._stopping:
             changed.clear()
             due = self._manager.read_local(lambda s: s.next_expiry())
-            if due is None:
-                await changed.wait()
-                continue
-            delay = due + _REAP_GRACE_S + random.random() * _REAP_JITTER_S - time.time()
-            if delay > 0:
+            now = time.time()
+            if due is None or due + _REAP_GRACE_S > now:
+                delay = _REAP_IDLE_S if due is None else due + _REAP_GRACE_S - now
+                delay += random.random() * _REAP_JITTER_S
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), delay)
+                    async with asyncio.timeout(min(delay, _REAP_IDLE_S)):
+                        await changed.wait()
                 continue
             try:
                 await self._manager.write(self._tick)

@@ -86,3 +86,15 @@ async def worker(tmp_path: Path, *args: str) -> AsyncIterator[Worker]:
         if process.returncode is None:
             process.kill()
             await asyncio.wait_for(process.wait(), WAIT_S)
+
+
+def recipe_options(admin_url: str, **options: Any) -> dict[str, Any]:
+    """Manager options with the tests' timeouts (for any recipe)."""
+    defaults: dict[str, Any] = {
+        "admin_url": admin_url,
+        "write_timeout_s": WAIT_S,
+        "read_timeout_s": WAIT_S,
+        "open_timeout_s": WAIT_S,
+    }
+    defaults.update(options)
+    return defaults
