@@ -68,6 +68,7 @@ _REAP_GRACE_S = 0.05
 _REAP_JITTER_S = 0.1
 # Re-check at least this often even without news (a backstop; the listener wakes it).
 _REAP_IDLE_S = 5.0
+_TAKEOVER_AFTER_S = 1.0
 
 Subscriber = Callable[[list[LeaseEvent], LeaseTable], None]
 
@@ -98,6 +99,9 @@ class Ownership:
             (default): any non-empty str.
         reap: append expiry ticks when a lease is past due by this process's clock.
         **manager_options: passed to :class:`~pulsar_state.SharedStateManager`.
+            ``takeover_after_s`` defaults to 1 s here (the core's default never takes over):
+            a process frozen while it holds the topic's writer is fenced off after 1 s, so
+            leases keep being renewed, expired and granted. Keep TTLs well above it.
     """
 
     def __init__(
@@ -120,6 +124,10 @@ class Ownership:
         if resources is not None:
             self._resources = frozenset(check_names(resources, None))
         self._reap = reap
+        # A holder frozen (SIGSTOP, GC pause) while it holds the topic's exclusive writer
+        # must not stop everyone else from renewing, expiring and granting: take the
+        # writer over (fencing it; the core refuses its stale records) after a short wait.
+        manager_options.setdefault("takeover_after_s", _TAKEOVER_AFTER_S)
         self._manager: SharedStateManager[LeaseTable, Any] = SharedStateManager(
             pulsar,
             topic,

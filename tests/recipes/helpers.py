@@ -64,7 +64,9 @@ class Worker:
 
 
 @contextlib.asynccontextmanager
-async def worker(tmp_path: Path, *args: str) -> AsyncIterator[Worker]:
+async def worker(
+    tmp_path: Path, *args: str, module: str = "tests.recipes.map_worker"
+) -> AsyncIterator[Worker]:
     """Start a worker process; it is killed if the test leaves before it finished."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     stderr_path = tmp_path / f"worker-{os.urandom(4).hex()}.log"
@@ -72,7 +74,7 @@ async def worker(tmp_path: Path, *args: str) -> AsyncIterator[Worker]:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "tests.recipes.map_worker",
+            module,
             *args,
             cwd=REPO,
             env=env,
