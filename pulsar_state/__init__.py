@@ -26,9 +26,10 @@ from ._errors import (
     WriteOutcomeUnknownError,
     WriterBusyError,
 )
-from ._manager import AppliedRecord, ManagerStats, ReplayProgress, SharedStateManager, WriteResult
+from ._manager import SharedStateManager
 from ._pulsar import LogPosition
 from ._sync import BlockingPortal, SyncSharedStateManager
+from ._types import AppliedRecord, ManagerStats, ReplayProgress, WriteResult
 
 __version__ = "0.1.0"
 
@@ -67,3 +68,10 @@ __all__ = [
     "WriterBusyError",
     "__version__",
 ]
+
+# Public objects report the public module (``pulsar_state.ClosedError``, not
+# ``pulsar_state._errors.ClosedError``) in reprs, tracebacks and docs, as httpx does.
+for _name in __all__:
+    if not _name.startswith("__"):
+        globals()[_name].__module__ = __name__
+del _name

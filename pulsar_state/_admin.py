@@ -16,6 +16,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from tenacity import Retrying, retry_if_exception, stop_after_attempt
+
 from ._errors import (
     BrokerError,
     BrokerUnavailableError,
@@ -75,6 +77,13 @@ def default_admin_url(service_url: str) -> str:
     return f"http://{host}:8080"
 
 
+def _stale_connection(exc: BaseException) -> bool:
+    # TimeoutError is an OSError too, but a slow server is not helped by asking again.
+    return isinstance(exc, (http.client.HTTPException, OSError)) and not isinstance(
+        exc, TimeoutError
+    )
+
+
 class AdminClient:
     """A minimal asynchronous client for Pulsar's admin REST API."""
 
@@ -101,30 +110,47 @@ class AdminClient:
         return self._conn
 
     def _get_blocking(self, path: str) -> tuple[int, Any]:
-        base = urllib.parse.urlsplit(self.admin_url).path.rstrip("/")
         with self._lock:
-            for attempt in (1, 2):
-                try:
-                    conn = self._connection()
-                    conn.request("GET", base + path, headers=self._headers)
-                    response = conn.getresponse()
-                    body = response.read()
-                    break
-                except TimeoutError as exc:
-                    self._drop()
-                    raise OperationTimeoutError(f"admin GET {path} timed out") from exc
-                except (http.client.HTTPException, OSError) as exc:
-                    self._drop()  # a kept-alive connection the server closed: retry once
-                    if attempt == 2:
-                        raise BrokerUnavailableError(
-                            f"admin API at {self.admin_url} unreachable ({exc}); pass "
-                            "admin_url= if the broker's web service is elsewhere"
-                        ) from exc
+            try:
+                # A kept-alive connection the server closed fails once: retry on a new one.
+                for attempt in Retrying(
+                    retry=retry_if_exception(_stale_connection),
+                    stop=stop_after_attempt(2),
+                    reraise=True,
+                ):
+                    with attempt:
+                        status, body = self._request(path)
+            except TimeoutError as exc:
+                raise OperationTimeoutError(f"admin GET {path} timed out") from exc
+            except (http.client.HTTPException, OSError) as exc:
+                raise BrokerUnavailableError(
+                    f"admin API at {self.admin_url} unreachable ({exc}); pass "
+                    "admin_url= if the broker's web service is elsewhere"
+                ) from exc
         try:
             detail = json.loads(body) if body.strip() else None
         except ValueError:
             detail = body.decode(errors="replace")
-        return response.status, detail
+        return status, detail
+
+    def _request(self, path: str) -> tuple[int, bytes]:
+        base = urllib.parse.urlsplit(self.admin_url).path.rstrip("/")
+        try:
+            conn = self._connection()
+            conn.request("GET", base + path, headers=self._headers)
+            response = conn.getresponse()
+            return response.status, response.read()
+        except (http.client.HTTPException, OSError):
+            self._drop()
+            raise
+
+    async def close(self) -> None:
+        """Close the kept-alive connection (a later call opens a new one)."""
+        await asyncio.to_thread(self._close_blocking)
+
+    def _close_blocking(self) -> None:
+        with self._lock:  # not under a request running in another thread
+            self._drop()
 
     def _drop(self) -> None:
         if self._conn is not None:

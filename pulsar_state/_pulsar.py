@@ -87,7 +87,6 @@ class RawMessage:
 
     payload: bytes
     position: LogPosition
-    key: str
 
 
 def _result_of(exc: BaseException) -> Any | None:
@@ -145,10 +144,6 @@ class StateWriter:
     def __init__(self, producer: Any, topic: str) -> None:
         self._producer = producer
         self._topic = topic
-
-    @property
-    def name(self) -> str:
-        return str(self._producer.producer_name())
 
     async def send(self, payload: bytes, *, key: str) -> LogPosition:
         # Every message is keyed: since Pulsar 3.2 compaction drops keyless messages (PIP-318).
@@ -210,7 +205,7 @@ class StateReader:
                 return
             mid = msg.message_id()
             # The key is not read: the pump has no use for it, and each call crosses into C++.
-            batch.append(RawMessage(msg.data(), LogPosition(mid.ledger_id(), mid.entry_id()), ""))
+            batch.append(RawMessage(msg.data(), LogPosition(mid.ledger_id(), mid.entry_id())))
             if len(batch) >= self._BATCH:
                 self._hand_over(batch)
                 batch = []
@@ -308,7 +303,6 @@ class PulsarConnection:
         topic: str,
         *,
         fencing: bool,
-        name: str | None,
         send_timeout_s: float,
         timeout_s: float = 30.0,
     ) -> StateWriter:
@@ -320,7 +314,6 @@ class PulsarConnection:
         creation = asyncio.ensure_future(
             self._client.create_producer(
                 topic,
-                producer_name=name,
                 access_mode=mode,
                 # One message = one record: batching would merge records and chunking needs it off.
                 batching_enabled=False,

@@ -13,12 +13,17 @@ missing or damaged snapshot falls back to an older one, or to a full replay.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from ._admin import AdminClient, TopicName
+from ._codecs import Codec
+from ._context import Context
 from ._envelope import (
     SnapshotManifest,
     decode_chunk,
@@ -26,12 +31,15 @@ from ._envelope import (
     encode_chunk,
     encode_manifest,
 )
-from ._errors import CorruptRecordError
+from ._errors import CorruptRecordError, OperationTimeoutError, PulsarStateError, WriterBusyError
 from ._pulsar import LogPosition, PulsarConnection, StateWriter
+from ._replica import Replica
 
-__all__ = ["SnapshotStore"]
+__all__ = ["SnapshotPolicy", "SnapshotStore", "digest_of"]
 
-logger = logging.getLogger("pulsar_state")
+logger = logging.getLogger(__name__)
+
+S = TypeVar("S")
 
 
 class SnapshotStore:
@@ -46,7 +54,7 @@ class SnapshotStore:
         chunk_bytes: int,
         timeout_s: float,
     ) -> None:
-        self._conn = conn
+        self.conn = conn
         self._admin = admin
         self.data_topic = TopicName.parse(f"{topic}-snapshots")
         self.index_topic = TopicName.parse(f"{topic}-snapshot-index")
@@ -61,7 +69,7 @@ class SnapshotStore:
         tail = await self._admin.last_position(self.index_topic)
         if tail is None:
             return []
-        reader = await self._conn.create_reader(str(self.index_topic))
+        reader = await self.conn.create_reader(str(self.index_topic))
         found: list[SnapshotManifest] = []
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -88,7 +96,7 @@ class SnapshotStore:
         tail = await self._admin.last_position(self.data_topic)
         if tail is None or tail < at:
             raise missing
-        reader = await self._conn.create_reader(str(self.data_topic), at=at)
+        reader = await self.conn.create_reader(str(self.data_topic), at=at)
         parts: list[bytes] = []
         last_seen: LogPosition | None = None
         try:
@@ -173,10 +181,9 @@ class SnapshotStore:
 
     async def _exclusive_writer(self, topic: TopicName) -> StateWriter:
         # Exclusive: one snapshotting process at a time; another gets WriterBusyError.
-        return await self._conn.create_writer(
+        return await self.conn.create_writer(
             str(topic),
             fencing=False,
-            name=None,
             send_timeout_s=self._timeout_s,
             timeout_s=self._timeout_s,
         )
@@ -186,7 +193,7 @@ class SnapshotStore:
         status, _ = await self._admin.get(self.index_topic.rest_path + "/lastMessageId")
         if status == 404 or await self._admin.last_position(self.index_topic) is None:
             return None
-        reader = await self._conn.create_reader(str(self.index_topic), last=True)
+        reader = await self.conn.create_reader(str(self.index_topic), last=True)
         try:
             async with asyncio.timeout(self._timeout_s):
                 # The C++ reader positions a "latest, inclusive" start on this call.
@@ -202,3 +209,203 @@ class SnapshotStore:
 
 def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+class SnapshotPolicy(Generic[S]):
+    """When and how this replica takes, loads and checks snapshots.
+
+    Opening loads the newest snapshot that checks out. The writer asks :meth:`after_batch`
+    whether one is due (``snapshot_every_records`` / ``snapshot_every_bytes``). The newest
+    snapshot not loaded is kept to check the replayed state against its digest when the
+    replica reaches its version (:meth:`check_determinism`, a replica ``after_apply`` hook).
+    """
+
+    def __init__(
+        self,
+        context: Context,
+        store: SnapshotStore,
+        codec: Codec[S],
+        replica: Replica[S, Any],
+        copy_state: Callable[[S], S],
+    ) -> None:
+        self._context = context
+        self._store = store
+        self._codec = codec
+        self._replica = replica
+        self._copy_state = copy_state
+        self._writer_id = context.writer_id
+        self._settings = context.settings
+        self._stats = context.stats
+        self._topic = context.topic
+        self.loaded: SnapshotManifest | None = None
+        self._to_verify: SnapshotManifest | None = None
+        self._last_version = 0
+        self._bytes_at_last = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        context: Context,
+        store: SnapshotStore,
+        codec: Codec[S],
+        replica: Replica[S, Any],
+        copy_state: Callable[[S], S],
+        *,
+        load: bool,
+    ) -> SnapshotPolicy[S]:
+        """The policy of a replica about to start: loads the newest good snapshot into it
+        (unless ``load`` is False) and registers the determinism check as its hook."""
+        policy = cls(context, store, codec, replica, copy_state)
+        replica.after_apply.append(policy.check_determinism)
+        if await policy.load_newest(load=load):
+            await replica.open_reader(store.conn)  # resume right after the snapshot
+        return policy
+
+    async def load_newest(self, *, load: bool) -> bool:
+        """Load the newest snapshot that checks out; older ones are fallbacks. True if one was."""
+        manifests = await self._store.manifests()
+        if manifests and not load:
+            self._to_verify = manifests[-1]
+            return False
+        for manifest in reversed(manifests):
+            try:
+                started = time.monotonic()
+                data = await self._store.load(manifest)
+                state = await asyncio.to_thread(self._codec.decode, data)
+            except (PulsarStateError, TimeoutError) as exc:
+                logger.warning(
+                    "snapshot %s of %s (position %d) is unusable, falling back: %s",
+                    manifest.snapshot_id,
+                    self._topic,
+                    manifest.position,
+                    exc,
+                )
+                self._to_verify = self._to_verify or manifest
+                continue
+            self._replica.load(
+                state,
+                manifest.position,
+                manifest.record_id,
+                LogPosition(manifest.log_ledger, manifest.log_entry),
+            )
+            self._last_version = manifest.position
+            self.loaded = manifest
+            self._stats.snapshot_loaded_position = manifest.position
+            logger.info(
+                "loaded snapshot of %s at position %d (%.1f MB) in %.2fs",
+                self._topic,
+                manifest.position,
+                manifest.size / 1e6,
+                time.monotonic() - started,
+            )
+            return True
+        if manifests:
+            logger.warning("no usable snapshot of %s: replaying the whole log", self._topic)
+        return False
+
+    def check_determinism(self, version: int, state: S) -> None:
+        """Compare the replayed state with a snapshot another replica took at this version."""
+        manifest = self._to_verify
+        if manifest is None or manifest.position != version:
+            return
+        self._to_verify = None
+        digest = digest_of(self._codec.encode(state))
+        if digest == manifest.digest:
+            logger.debug("replayed state matches snapshot %s", manifest.snapshot_id)
+            return
+        self._stats.determinism_failures += 1
+        logger.error(
+            "DETERMINISM CHECK FAILED on %s: the state replayed to position %d differs from "
+            "snapshot %s taken there by %s (digest %s, snapshot %s). Replicas disagree: apply "
+            "or snapshot_codec is not deterministic.",
+            self._topic,
+            version,
+            manifest.snapshot_id,
+            manifest.writer_id,
+            digest[:16],
+            manifest.digest[:16],
+        )
+
+    async def take(self, timeout: float) -> SnapshotManifest:
+        """Write a snapshot of the state as it is now."""
+        replica = self._replica
+        # Captured in one synchronous step: the state, its version and the log position.
+        state = self._copy_state(replica.state)
+        version, record_id = replica.version, replica.last_record_id
+        log_position = replica.read_to or LogPosition(-1, -1)
+        bytes_read = self._stats.bytes_read
+        try:
+            async with asyncio.timeout(timeout):
+                data = await asyncio.to_thread(self._codec.encode, state)
+                manifest = await self._store.write(
+                    data,
+                    position=version,
+                    record_id=record_id,
+                    log_position=log_position,
+                    writer_id=self._writer_id,
+                )
+        except TimeoutError as exc:
+            raise OperationTimeoutError(f"snapshot of {self._topic} took over {timeout}s") from exc
+        self._last_version = max(self._last_version, version)
+        self._bytes_at_last = max(self._bytes_at_last, bytes_read)
+        self._stats.snapshots_written += 1
+        logger.info(
+            "wrote snapshot %s of %s at position %d (%.1f MB, %d chunks)",
+            manifest.snapshot_id,
+            self._topic,
+            version,
+            manifest.size / 1e6,
+            manifest.chunks,
+        )
+        return manifest
+
+    def after_batch(self) -> None:
+        """Start an automatic snapshot in the background if one is due."""
+        if self._due():
+            self._task = asyncio.create_task(self._auto())
+
+    def _due(self, *, running_ok: bool = False) -> bool:
+        if self._task is not None and not running_ok:
+            return False
+        records = self._replica.version - self._last_version
+        data = self._stats.bytes_read - self._bytes_at_last
+        every_records = self._settings.snapshot_every_records
+        every_bytes = self._settings.snapshot_every_bytes
+        return bool(
+            (every_records and records >= every_records) or (every_bytes and data >= every_bytes)
+        )
+
+    async def _auto(self) -> None:
+        succeeded = False
+        try:
+            newest = await self._store.latest()
+            if newest is not None and newest.position > self._last_version:
+                # Another writer took one since ours: count from there instead.
+                self._last_version = newest.position
+                if not self._due(running_ok=True):
+                    return
+            await self.take(self._settings.write_timeout_s)
+            succeeded = True
+        except WriterBusyError:
+            logger.debug("another process is writing a snapshot of %s", self._topic)
+        except PulsarStateError as exc:
+            logger.warning("automatic snapshot of %s failed: %s", self._topic, exc)
+        finally:
+            self._task = None
+        # Writes went on while it ran: if another is already due, take it now. Never after a
+        # failure, which would only retry in a loop; the next write checks again.
+        if succeeded and not self._context.closed and self._due():
+            self._task = asyncio.create_task(self._auto())
+
+    async def settle(self, timeout: float) -> None:
+        """Let a running automatic snapshot finish (within ``timeout``)."""
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._task), timeout)
+
+    async def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

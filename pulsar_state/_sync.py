@@ -1,9 +1,10 @@
 """The blocking API: an event loop in a background thread running the async implementation.
 
 :class:`BlockingPortal` is the same idea as anyio's blocking portal, written over
-``asyncio.run_coroutine_threadsafe`` (about forty lines) rather than adding anyio and its
-dependencies for it. :class:`SyncSharedStateManager` forwards every call through a portal to a
-:class:`SharedStateManager`; there is no second copy of the logic.
+``asyncio.run_coroutine_threadsafe`` rather than adding anyio and its dependencies for it.
+:class:`SyncFacade` is the common base of the blocking twins (:class:`SyncSharedStateManager`
+here, ``SyncPulsarMap`` in the recipes): opening, closing, ``with``, and the timeouts of calls
+forwarded through a portal. There is no second copy of the logic.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import concurrent.futures
 import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, Protocol, Self, TypeVar, overload
 
 from ._envelope import SnapshotManifest
 from ._errors import ClosedError, OperationTimeoutError
-from ._manager import ManagerStats, SharedStateManager, WriteResult
+from ._manager import SharedStateManager
+from ._types import ManagerStats, WriteResult
 
-__all__ = ["BlockingPortal", "SyncSharedStateManager"]
+__all__ = ["BlockingPortal", "SyncFacade", "SyncSharedStateManager", "backstop"]
 
 S = TypeVar("S")
 Op = TypeVar("Op")
@@ -28,6 +30,13 @@ T = TypeVar("T")
 # Added to an operation's own timeout for the portal's backstop: the async call enforces the
 # real timeout and raises a precise error; the backstop only guards against a stuck loop.
 _GRACE_S = 5.0
+# Bounds calls that do no I/O (``call_sync``) and closing: only a stuck loop takes longer.
+_LOCAL_TIMEOUT_S = 30.0
+
+
+def backstop(timeout: float | None) -> float | None:
+    """The portal's timeout for an async call whose own timeout is ``timeout`` (None: none)."""
+    return None if timeout is None else timeout + _GRACE_S
 
 
 class BlockingPortal:
@@ -76,6 +85,17 @@ class BlockingPortal:
             future.cancel()
             raise OperationTimeoutError(f"blocking call did not finish in {timeout}s") from exc
 
+    def call_sync(
+        self, fn: Callable[..., T], *args: Any, timeout: float | None = _LOCAL_TIMEOUT_S
+    ) -> T:
+        """Run the plain function ``fn(*args)`` on the portal's loop, between its callbacks
+        (so it sees the state the loop's tasks keep), and wait for its result."""
+
+        async def run() -> T:
+            return fn(*args)
+
+        return self.call(run, timeout=timeout)
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop and join the thread."""
         if self._stopped or os.getpid() != self._pid:
@@ -87,7 +107,70 @@ class BlockingPortal:
             self._loop.close()
 
 
-class SyncSharedStateManager(Generic[S, Op]):
+class _Timeouts(Protocol):
+    @property
+    def open_timeout_s(self) -> float: ...
+
+    @property
+    def read_timeout_s(self) -> float: ...
+
+    @property
+    def write_timeout_s(self) -> float: ...
+
+
+class _AsyncResource(Protocol):
+    async def open(self, *, timeout: float | None = None) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+R = TypeVar("R", bound=_AsyncResource)
+
+
+class SyncFacade(Generic[R]):
+    """The blocking twin of an async resource (``open``/``aclose``): ``with`` opens and closes
+    it through a portal, which the facade owns (and stops) unless it was given one."""
+
+    def __init__(self, resource: R, timeouts: _Timeouts, portal: BlockingPortal | None) -> None:
+        self._resource = resource
+        self._timeouts = timeouts
+        self._owns_portal = portal is None
+        self._portal = portal if portal is not None else BlockingPortal()
+
+    @property
+    def portal(self) -> BlockingPortal:
+        return self._portal
+
+    def open(self, *, timeout: float | None = None) -> Self:
+        self._call(
+            lambda: self._resource.open(timeout=timeout), timeout, self._timeouts.open_timeout_s
+        )
+        return self
+
+    def close(self) -> None:
+        try:
+            self._portal.call(self._resource.aclose, timeout=_LOCAL_TIMEOUT_S)
+        finally:
+            if self._owns_portal:
+                self._portal.stop()
+
+    def __enter__(self) -> Self:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _call(self, fn: Callable[[], Awaitable[T]], timeout: float | None, default: float) -> T:
+        return self._portal.call(fn, timeout=backstop(default if timeout is None else timeout))
+
+    def _read(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+        return self._call(fn, timeout, self._timeouts.read_timeout_s)
+
+    def _write(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+        return self._call(fn, timeout, self._timeouts.write_timeout_s)
+
+
+class SyncSharedStateManager(SyncFacade[SharedStateManager[S, Op]], Generic[S, Op]):
     """The blocking twin of :class:`SharedStateManager`, for code that is not async.
 
     Takes the same arguments (plus an optional shared ``portal``)::
@@ -101,41 +184,14 @@ class SyncSharedStateManager(Generic[S, Op]):
     """
 
     def __init__(self, *args: Any, portal: BlockingPortal | None = None, **kwargs: Any) -> None:
-        self._owns_portal = portal is None
-        self._portal = portal if portal is not None else BlockingPortal()
-        self._manager: SharedStateManager[S, Op] = SharedStateManager(*args, **kwargs)
+        manager: SharedStateManager[S, Op] = SharedStateManager(*args, **kwargs)
+        super().__init__(manager, manager, portal)
+        self._manager = manager
 
     @property
     def manager(self) -> SharedStateManager[S, Op]:
         """The async manager underneath (use it only from the portal's loop)."""
         return self._manager
-
-    @property
-    def portal(self) -> BlockingPortal:
-        return self._portal
-
-    def _backstop(self, timeout: float | None, default: float) -> float:
-        return (default if timeout is None else timeout) + _GRACE_S
-
-    def open(self, *, timeout: float | None = None) -> SyncSharedStateManager[S, Op]:
-        self._portal.call(
-            lambda: self._manager.open(timeout=timeout),
-            timeout=self._backstop(timeout, self._manager.open_timeout_s),
-        )
-        return self
-
-    def __enter__(self) -> SyncSharedStateManager[S, Op]:
-        return self.open()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        try:
-            self._portal.call(self._manager.aclose, timeout=30.0)
-        finally:
-            if self._owns_portal:
-                self._portal.stop()
 
     @property
     def position(self) -> int:
@@ -148,22 +204,15 @@ class SyncSharedStateManager(Generic[S, Op]):
     def read(
         self, reader: Callable[[S], T], *, latest: bool = False, timeout: float | None = None
     ) -> T:
-        return self._portal.call(
-            lambda: self._manager.read(reader, latest=latest, timeout=timeout),
-            timeout=self._backstop(timeout, self._manager.read_timeout_s),
+        return self._read(
+            lambda: self._manager.read(reader, latest=latest, timeout=timeout), timeout
         )
 
     def sync(self, *, timeout: float | None = None) -> int:
-        return self._portal.call(
-            lambda: self._manager.sync(timeout=timeout),
-            timeout=self._backstop(timeout, self._manager.read_timeout_s),
-        )
+        return self._read(lambda: self._manager.sync(timeout=timeout), timeout)
 
     def wait_for(self, position: int, *, timeout: float | None = None) -> None:
-        self._portal.call(
-            lambda: self._manager.wait_for(position, timeout=timeout),
-            timeout=self._backstop(timeout, self._manager.read_timeout_s),
-        )
+        self._read(lambda: self._manager.wait_for(position, timeout=timeout), timeout)
 
     @overload
     def write(
@@ -191,18 +240,10 @@ class SyncSharedStateManager(Generic[S, Op]):
                 return await self._manager.write(generator, timeout=timeout)
             return await self._manager.write(generator, reader=reader, timeout=timeout)
 
-        return self._portal.call(
-            run, timeout=self._backstop(timeout, self._manager.write_timeout_s)
-        )
+        return self._write(run, timeout)
 
     def snapshot(self, *, timeout: float | None = None) -> SnapshotManifest:
-        return self._portal.call(
-            lambda: self._manager.snapshot(timeout=timeout),
-            timeout=self._backstop(timeout, self._manager.write_timeout_s),
-        )
+        return self._write(lambda: self._manager.snapshot(timeout=timeout), timeout)
 
     def write_ops(self, ops: Sequence[Op], *, timeout: float | None = None) -> WriteResult[None]:
-        return self._portal.call(
-            lambda: self._manager.write_ops(ops, timeout=timeout),
-            timeout=self._backstop(timeout, self._manager.write_timeout_s),
-        )
+        return self._write(lambda: self._manager.write_ops(ops, timeout=timeout), timeout)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar, cast, overload
 
-from pulsar_state import BlockingPortal, Codec, JsonCodec, ManagerStats, StrCodec
+from pulsar_state import BlockingPortal, Codec, ManagerStats
+from pulsar_state._sync import SyncFacade, backstop
 
 from ._map_ops import MapEntry, MapEvent
 from ._map_watch import MapWatch
@@ -18,13 +19,6 @@ __all__ = ["SyncMapWatch", "SyncPulsarMap"]
 K = TypeVar("K")
 V = TypeVar("V")
 D = TypeVar("D")
-T = TypeVar("T")
-
-# Added to a call's own timeout for the portal's backstop: the async call enforces the real
-# timeout with a precise error; the backstop only guards against a stuck loop.
-_GRACE_S = 5.0
-# Local-view calls never wait for I/O; this only bounds a stuck loop.
-_LOCAL_TIMEOUT_S = 30.0
 
 
 def _close_on_loop(portal: BlockingPortal, close: Callable[[], None]) -> None:
@@ -53,8 +47,7 @@ class SyncMapWatch(Generic[K, V]):
         """The next event, or None once the watch is closed (OperationTimeoutError after
         ``timeout`` seconds; None waits as long as it takes)."""
         return self._portal.call(
-            lambda: self._watch.next(timeout=timeout),
-            timeout=None if timeout is None else timeout + _GRACE_S,
+            lambda: self._watch.next(timeout=timeout), timeout=backstop(timeout)
         )
 
     def __iter__(self) -> Iterator[MapEvent[K, V]]:
@@ -76,7 +69,7 @@ class SyncMapWatch(Generic[K, V]):
         self.close()
 
 
-class SyncPulsarMap(Generic[K, V]):
+class SyncPulsarMap(SyncFacade[PulsarMap[K, V]], Generic[K, V]):
     """The blocking twin of :class:`~recipes.PulsarMap`, for code that is not async.
 
     Same arguments (plus an optional shared ``portal``), same methods and guarantees: each call
@@ -146,24 +139,19 @@ class SyncPulsarMap(Generic[K, V]):
         portal: BlockingPortal | None = None,
         **manager_options: Any,
     ) -> None:
-        self._map: PulsarMap[K, V] = PulsarMap(
-            pulsar,
-            topic,
-            key_codec=cast(Codec[K], key_codec if key_codec is not None else StrCodec()),
-            value_codec=cast(Codec[V], value_codec if value_codec is not None else JsonCodec()),
-            **manager_options,
+        # PulsarMap chooses the default codecs.
+        self._map = cast(
+            PulsarMap[K, V],
+            PulsarMap(
+                pulsar, topic, key_codec=key_codec, value_codec=value_codec, **manager_options
+            ),
         )
-        self._owns_portal = portal is None
-        self._portal = portal if portal is not None else BlockingPortal()
+        super().__init__(self._map, self._map.manager, portal)
 
     @property
     def async_map(self) -> PulsarMap[K, V]:
         """The async map underneath (use it only from the portal's loop)."""
         return self._map
-
-    @property
-    def portal(self) -> BlockingPortal:
-        return self._portal
 
     @property
     def topic(self) -> str:
@@ -177,41 +165,7 @@ class SyncPulsarMap(Generic[K, V]):
     def stats(self) -> ManagerStats:
         return self._map.stats
 
-    def _call(self, fn: Callable[[], Awaitable[T]], timeout: float | None, default: float) -> T:
-        return self._portal.call(fn, timeout=(default if timeout is None else timeout) + _GRACE_S)
-
-    def _read(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
-        return self._call(fn, timeout, self._map.manager.read_timeout_s)
-
-    def _write(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
-        return self._call(fn, timeout, self._map.manager.write_timeout_s)
-
-    def _local(self, fn: Callable[[], T]) -> T:
-        async def run() -> T:
-            return fn()
-
-        return self._portal.call(run, timeout=_LOCAL_TIMEOUT_S)
-
     # ------------------------------------------------------------------ lifecycle
-
-    def open(self, *, timeout: float | None = None) -> SyncPulsarMap[K, V]:
-        self._call(
-            lambda: self._map.open(timeout=timeout), timeout, self._map.manager.open_timeout_s
-        )
-        return self
-
-    def close(self) -> None:
-        try:
-            self._portal.call(self._map.aclose, timeout=30.0)
-        finally:
-            if self._owns_portal:
-                self._portal.stop()
-
-    def __enter__(self) -> SyncPulsarMap[K, V]:
-        return self.open()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def sync(self, *, timeout: float | None = None) -> int:
         return self._read(lambda: self._map.sync(timeout=timeout), timeout)
@@ -279,22 +233,22 @@ class SyncPulsarMap(Generic[K, V]):
     # ------------------------------------------------------------------ the local view
 
     def __len__(self) -> int:
-        return self._local(self._map.__len__)
+        return self._portal.call_sync(self._map.__len__)
 
     def __contains__(self, key: object) -> bool:
-        return self._local(lambda: key in self._map)
+        return self._portal.call_sync(lambda: key in self._map)
 
     def __iter__(self) -> Iterator[K]:
         return iter(self.keys())
 
     def keys(self) -> list[K]:
-        return self._local(self._map.keys)
+        return self._portal.call_sync(self._map.keys)
 
     def values(self) -> list[V]:
-        return self._local(self._map.values)
+        return self._portal.call_sync(self._map.values)
 
     def items(self) -> list[tuple[K, V]]:
-        return self._local(self._map.items)
+        return self._portal.call_sync(self._map.items)
 
     @overload
     def get_local(self, key: K) -> V | None: ...
@@ -303,7 +257,7 @@ class SyncPulsarMap(Generic[K, V]):
     def get_local(self, key: K, default: D) -> V | D: ...
 
     def get_local(self, key: K, default: D | None = None) -> V | D | None:
-        return self._local(lambda: self._map.get_local(key, default))
+        return self._portal.call_sync(lambda: self._map.get_local(key, default))
 
     # ------------------------------------------------------------------ writes
 
@@ -378,7 +332,7 @@ class SyncPulsarMap(Generic[K, V]):
         max_queue: int = 10_000,
     ) -> SyncMapWatch[K, V]:
         """As :meth:`PulsarMap.changes`, as a blocking iterator."""
-        watch = self._local(
+        watch = self._portal.call_sync(
             lambda: self._map.changes(
                 key=key, prefix=prefix, snapshot=snapshot, max_queue=max_queue
             )

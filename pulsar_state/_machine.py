@@ -1,0 +1,114 @@
+"""The user's state machine: ``apply``, ``begin_record``, ``copy_state`` and the op codec.
+
+Every place that changes a state (the replica's pump, the writer's trial run, rebuilding a
+trial state after a failed write) goes through :meth:`StateMachine.apply_write`, so all of them
+run ``begin_record`` and the ops in exactly the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+from ._codecs import Codec
+from ._envelope import Record
+from ._errors import ApplyError, CodecError, CorruptRecordError
+from ._pulsar import LogPosition
+
+__all__ = ["MutatedInPlaceError", "StateMachine"]
+
+S = TypeVar("S")
+Op = TypeVar("Op")
+
+
+class MutatedInPlaceError(Exception):
+    """``apply`` returned None (mutated its input) although ``copy_state=None`` promised it
+    never does: the trial run has just changed the live state."""
+
+
+class StateMachine(Generic[S, Op]):
+    """Applies ops to states; encodes and decodes them."""
+
+    def __init__(
+        self,
+        apply: Callable[[S, Op], S | None],
+        codec: Codec[Op],
+        *,
+        copy_state: Callable[[S], S] | None,
+        begin_record: Callable[[S, int], S | None] | None,
+    ) -> None:
+        self._apply = apply
+        self._codec = codec
+        self._copy_state = copy_state
+        self._begin_record = begin_record
+
+    def trial_copy(self, state: S) -> S:
+        """A state the writer may change without touching ``state`` (itself when
+        ``copy_state`` is None: then ``apply`` promises never to mutate its input)."""
+        return self._copy_state(state) if self._copy_state is not None else state
+
+    def apply_write(
+        self, state: S, ops: Sequence[Op], *, begins: int | None = None, trial: bool = False
+    ) -> S:
+        """Apply one write's ops; ``begins`` is the version of the record this write opens
+        (``begin_record`` runs first). The only apply loop of the library.
+
+        ``trial``: ``state`` is the writer's trial copy, so a failing op raises
+        :class:`ApplyError` naming it, and an in-place ``apply`` without ``copy_state`` raises
+        :class:`MutatedInPlaceError`.
+        """
+        if begins is not None and self._begin_record is not None:
+            begun = self._begin_record(state, begins)
+            state = state if begun is None else begun
+        for op in ops:
+            try:
+                new_state = self._apply(state, op)
+            except Exception as exc:
+                if not trial:
+                    raise
+                raise ApplyError(f"apply raised on op {op!r}: {type(exc).__name__}: {exc}") from exc
+            if new_state is not None:
+                state = new_state
+            elif trial and self._copy_state is None:
+                raise MutatedInPlaceError(
+                    "apply returned None (mutated the state in place) but copy_state=None "
+                    "promises apply never mutates its input; pass copy_state (default "
+                    "copy.deepcopy)"
+                )
+        return state
+
+    def apply_record(
+        self,
+        state: S,
+        version: int,
+        writes: Sequence[Sequence[Op]],
+        after_write: Callable[[int, S], None],
+    ) -> S:
+        """Apply a whole record as version ``version``; ``after_write(index, state)`` runs
+        after each write (for the reader of a write this process made)."""
+        state = self.apply_write(state, (), begins=version)
+        for index, ops in enumerate(writes):
+            state = self.apply_write(state, ops)
+            after_write(index, state)
+        return state
+
+    def encode(self, ops: Sequence[Op]) -> list[bytes]:
+        """Encode one write's ops; any failure is a :class:`CodecError`."""
+        try:
+            return [self._codec.encode(op) for op in ops]
+        except CodecError:
+            raise
+        except Exception as exc:
+            raise CodecError(f"cannot encode op: {exc}") from exc
+
+    def decode(self, record: Record, at: LogPosition) -> list[list[Op]]:
+        """The ops of each write of ``record``, read at ``at``; :class:`CorruptRecordError`
+        if the codec refuses one (a foreign or damaged message)."""
+        try:
+            return [[self._codec.decode(op) for op in w.ops] for w in record.writes]
+        except CodecError as exc:
+            raise CorruptRecordError(
+                f"message {at}: record {record.record_id} holds an op the codec "
+                f"cannot decode ({exc})",
+                message_id=str(at),
+            ) from exc

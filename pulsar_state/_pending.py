@@ -1,0 +1,271 @@
+"""The writes of this process that are not settled yet: queued, in flight, or past deadline.
+
+A write is *queued* until a batch takes it, then *in flight* in one or more records (each
+attempt is one record) until the replica accepts one of them, ignores the newest, or its
+deadline passes. The replica settles in-flight records through :meth:`PendingWrites.claim`
+and :meth:`PendingWrites.reject` only; it never sees the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._context import Context
+from ._envelope import write_id
+from ._errors import OperationTimeoutError, PulsarStateError, WriteOutcomeUnknownError
+from ._records import OutgoingRecord
+from ._types import ManagerStats, WriteResult
+
+__all__ = ["PendingWrite", "PendingWrites", "RecordClaim"]
+
+logger = logging.getLogger(__name__)
+
+# The deadline heap is pruned of finished writes once it holds more than this.
+_PRUNE_AT = 4096
+
+
+@dataclass(eq=False, slots=True)
+class PendingWrite:
+    generator: Callable[[Any], Sequence[Any]]
+    reader: Callable[[Any], Any] | None
+    future: asyncio.Future[WriteResult[Any]]
+    deadline: float
+    write_seq: int
+    queued: bool = True
+    # The record of the newest attempt; only its rejection triggers a retry.
+    latest_record: str | None = None
+    # Records carrying an attempt that may still land; empty means "certainly not applied".
+    outstanding: set[str] = field(default_factory=set)
+
+
+class RecordClaim:
+    """This process's writes in one record the replica is applying."""
+
+    def __init__(self, record_id: str, writes: list[PendingWrite], stats: ManagerStats) -> None:
+        self._record_id = record_id
+        self._by_seq = {p.write_seq: p for p in writes}
+        self._stats = stats
+        self._results: list[tuple[PendingWrite, Any, BaseException | None]] = []
+
+    def after_write(self, write_seq: int, state: Any) -> None:
+        """Run the write's reader on the state right after its ops."""
+        pending = self._by_seq.get(write_seq)
+        if pending is None:
+            return
+        value: Any = None
+        error: BaseException | None = None
+        if pending.reader is not None:
+            try:
+                value = pending.reader(state)
+            except Exception as exc:  # the caller's reader: its error, its write
+                error = exc
+        self._results.append((pending, value, error))
+
+    def commit(self, version: int) -> None:
+        """The record was accepted as ``version``: complete its writes."""
+        for pending, value, error in self._results:
+            pending.outstanding.discard(self._record_id)
+            if pending.future.done():
+                continue
+            self._stats.writes_committed += 1
+            if error is not None:
+                pending.future.set_exception(error)
+            else:
+                pending.future.set_result(WriteResult(value, version))
+
+
+class PendingWrites:
+    """The write queue, the records in flight, and the deadlines of one manager."""
+
+    def __init__(self, context: Context) -> None:
+        self._context = context
+        self._writer_id = context.writer_id
+        self._stats = context.stats
+        self.queue: deque[PendingWrite] = deque()
+        self.deadlines: list[tuple[float, int, PendingWrite]] = []
+        self._in_flight: dict[str, list[PendingWrite]] = {}
+        self._write_seq = itertools.count(1)
+        self.wake = asyncio.Event()
+
+    # ------------------------------------------------------------------ the queue
+
+    def submit(
+        self,
+        generator: Callable[[Any], Sequence[Any]],
+        reader: Callable[[Any], Any] | None,
+        timeout: float,
+    ) -> asyncio.Future[WriteResult[Any]]:
+        loop = asyncio.get_running_loop()
+        pending = PendingWrite(
+            generator=generator,
+            reader=reader,
+            future=loop.create_future(),
+            deadline=loop.time() + timeout,
+            write_seq=next(self._write_seq),
+        )
+        self.queue.append(pending)
+        heapq.heappush(self.deadlines, (pending.deadline, pending.write_seq, pending))
+        self.wake.set()
+        return pending.future
+
+    def take(self, count: int) -> list[PendingWrite]:
+        batch = [self.queue.popleft() for _ in range(min(len(self.queue), count))]
+        for pending in batch:
+            pending.queued = False
+        return batch
+
+    def drop_finished_head(self) -> None:
+        # Only the head: a full scan per batch would cost O(queue) under a deep queue; the
+        # others are skipped when a batch is built.
+        while self.queue and self.queue[0].future.done():
+            self.queue.popleft().queued = False
+
+    def expire(self, now: float) -> None:
+        """Fail the queued writes past their deadline and drop every finished one."""
+        kept: deque[PendingWrite] = deque()
+        for pending in self.queue:
+            if not pending.future.done() and now >= pending.deadline:
+                self.fail_timeout(pending)
+            if pending.future.done():
+                pending.queued = False
+            else:
+                kept.append(pending)
+        self.queue = kept
+
+    def latest_deadline(self) -> float:
+        return max(p.deadline for p in self.queue)
+
+    def requeue(self, retry: Iterable[PendingWrite]) -> None:
+        # Retried first, in their original order: they waited longest. A write is never in
+        # the queue twice, or its generator could run and commit twice in one batch.
+        again = [p for p in retry if not p.queued and not p.future.done()]
+        for pending in again:
+            pending.queued = True
+        self.queue.extendleft(reversed(again))
+        self._stats.write_retries += len(again)
+        if again:
+            self.wake.set()
+
+    def fail_queued(self, error: BaseException) -> None:
+        for pending in list(self.queue):
+            if not pending.future.done():
+                pending.future.set_exception(error)
+        self.queue.clear()
+
+    # ------------------------------------------------------------------ deadlines
+
+    async def watch_deadlines(self) -> None:
+        """Fail each write whose deadline has passed, wherever it is (queued or in flight):
+        one timer for all writes, not one each."""
+        loop = asyncio.get_running_loop()
+        prune_at, last_prune = _PRUNE_AT, loop.time()
+        while not self._context.closed:
+            now = loop.time()
+            while self.deadlines and self.deadlines[0][0] <= now:
+                _, _, pending = heapq.heappop(self.deadlines)
+                if not pending.future.done():
+                    self.fail_timeout(pending)
+            size = len(self.deadlines)
+            if size > prune_at or (size > _PRUNE_AT and now - last_prune > 1.0):
+                # Finished writes would otherwise stay (with their results) until their
+                # deadline: a busy writer could hold hundreds of thousands of them.
+                self.deadlines = [d for d in self.deadlines if not d[2].future.done()]
+                heapq.heapify(self.deadlines)
+                prune_at, last_prune = max(_PRUNE_AT, 2 * len(self.deadlines)), now
+            await asyncio.sleep(0.05)
+
+    def fail_timeout(self, pending: PendingWrite) -> None:
+        pending.future.set_exception(self._timeout_error(pending))
+
+    def _timeout_error(self, pending: PendingWrite) -> PulsarStateError:
+        wid = write_id(self._writer_id, pending.write_seq)
+        if pending.outstanding:
+            return WriteOutcomeUnknownError(
+                f"write {wid} was sent but its outcome was not seen before the timeout; "
+                "it was applied once or not at all",
+                write_id=wid,
+            )
+        return OperationTimeoutError(f"write {wid} timed out; nothing was appended")
+
+    # ------------------------------------------------------------------ in flight
+
+    def launch(self, records: list[OutgoingRecord[PendingWrite]]) -> None:
+        """The records are about to be sent: their writes are in flight from now on."""
+        for outgoing in records:
+            record_id = outgoing.record.record_id
+            self._in_flight[record_id] = outgoing.writes
+            for pending in outgoing.writes:
+                pending.latest_record = record_id
+                pending.outstanding.add(record_id)
+
+    def in_flight(self, record_id: str) -> bool:
+        return record_id in self._in_flight
+
+    def claim(self, record_id: str) -> RecordClaim | None:
+        """The replica accepts ``record_id``: hand it the writes to complete, if ours."""
+        writes = self._in_flight.pop(record_id, None)
+        return RecordClaim(record_id, writes, self._stats) if writes else None
+
+    def reject(self, record_id: str) -> None:
+        """The replica ignored ``record_id`` (stale): retry the writes it decided."""
+        writes = self._in_flight.pop(record_id, None)
+        if not writes:
+            return
+        retry = []
+        for pending in writes:
+            if pending.latest_record != record_id:
+                # An older attempt; a newer one is in flight and decides.
+                pending.outstanding.discard(record_id)
+                continue
+            # The newest attempt was ignored, so the state had moved past the base that every
+            # attempt of this write was computed on: none of them can be accepted any more.
+            pending.outstanding.clear()
+            if not pending.future.done():
+                retry.append(pending)
+        self.requeue(retry)
+
+    def refuse(
+        self,
+        records: list[OutgoingRecord[PendingWrite]],
+        error: Callable[[OutgoingRecord[PendingWrite]], BaseException],
+    ) -> None:
+        """The records certainly were not persisted: fail their writes with ``error``."""
+        for outgoing in records:
+            record_id = outgoing.record.record_id
+            if self._in_flight.pop(record_id, None) is None:
+                continue
+            for pending in outgoing.writes:
+                pending.outstanding.discard(record_id)
+                if not pending.future.done():
+                    pending.future.set_exception(error(outgoing))
+
+    def requeue_unseen(self, records: list[OutgoingRecord[PendingWrite]]) -> None:
+        # They keep their outstanding record ids: if one of those lands later and is accepted,
+        # the write completes from it and the retry's record is ignored as stale.
+        unseen = [p for o in records for p in o.writes if o.record.record_id in self._in_flight]
+        self.requeue(list(dict.fromkeys(unseen)))
+
+    async def settle_in_flight(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) until every write in flight has its outcome."""
+        waiting = [p.future for ps in self._in_flight.values() for p in ps if not p.future.done()]
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout)
+
+    def fail_in_flight(self) -> None:
+        for writes in self._in_flight.values():
+            for pending in writes:
+                if not pending.future.done():
+                    pending.future.set_exception(
+                        WriteOutcomeUnknownError(
+                            "the manager closed before this write's outcome was seen",
+                            write_id=write_id(self._writer_id, pending.write_seq),
+                        )
+                    )
+        self._in_flight.clear()

@@ -1,0 +1,161 @@
+"""From a batch of waiting writes to the records that carry them (group commit).
+
+Pure: no I/O and no asyncio. The generators run on a trial copy of the state, their ops are
+encoded and validated by applying them to that copy, and the writes are packed into records
+that fit the size limits. What goes wrong with one write is reported for that write alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from ._envelope import Record, Write, encode_record, record_overhead
+from ._errors import ApplyError, CodecError, ConfigurationError, RecordTooLargeError
+from ._machine import MutatedInPlaceError, StateMachine
+
+__all__ = ["Batch", "OutgoingRecord", "RecordBuilder", "RecordLimits", "WriteRequest"]
+
+S = TypeVar("S")
+Op = TypeVar("Op")
+
+
+class WriteRequest(Protocol):
+    """What the builder needs of a write: its generator and its number."""
+
+    @property
+    def generator(self) -> Callable[[Any], Sequence[Any]]: ...
+
+    @property
+    def write_seq(self) -> int: ...
+
+
+class RecordLimits(Protocol):
+    """Read at each build, so a change to the manager's settings applies to the next batch."""
+
+    @property
+    def max_record_bytes(self) -> int: ...
+
+    @property
+    def max_writes_per_record(self) -> int: ...
+
+
+W = TypeVar("W", bound=WriteRequest)
+
+
+@dataclass(slots=True)
+class OutgoingRecord(Generic[W]):
+    record: Record
+    payload: bytes
+    writes: list[W]
+
+
+@dataclass(slots=True)
+class Batch(Generic[W]):
+    """The outcome of one build."""
+
+    records: list[OutgoingRecord[W]] = field(default_factory=list)
+    # Writes that will not be sent, each with the error its caller gets.
+    refused: list[tuple[W, BaseException]] = field(default_factory=list)
+    # Set when the trial run changed the live state: nothing is sent, the replica must halt.
+    halt: tuple[W, ConfigurationError] | None = None
+
+
+class RecordBuilder(Generic[S, Op]):
+    """Builds the records of one writer (it numbers them: ``record_seq``)."""
+
+    def __init__(self, machine: StateMachine[S, Op], writer_id: str, limits: RecordLimits) -> None:
+        self._machine = machine
+        self._writer_id = writer_id
+        self._limits = limits
+        self._record_seq = itertools.count(1)
+
+    def build(self, batch: Sequence[W], state: S, version: int, last_record_id: str) -> Batch[W]:
+        """Run ``batch``'s generators on a copy of ``state`` (at ``version``, last record
+        ``last_record_id``) and pack the writes that succeed into records based there.
+
+        Writes are packed as they are generated, so the trial state knows the version each
+        write's record will have (``begin_record``) exactly as the replicas will.
+        """
+        machine = self._machine
+        max_bytes = self._limits.max_record_bytes
+        max_writes = self._limits.max_writes_per_record
+        overhead = record_overhead(self._writer_id)
+        result: Batch[W] = Batch()
+        trial = machine.trial_copy(state)
+        # What was applied to the trial state, to rebuild it when a write fails half-way.
+        applied: list[tuple[int, list[Any]]] = []
+        base_version, base_id = version, last_record_id
+        group: list[tuple[W, list[bytes]]] = []
+        group_size = overhead
+
+        def flush() -> None:
+            nonlocal base_version, base_id, group, group_size
+            if not group:
+                return
+            record = Record(
+                writer_id=self._writer_id,
+                record_seq=next(self._record_seq),
+                base_position=base_version,
+                base_record_id=base_id,
+                writes=[Write(w.write_seq, encoded) for w, encoded in group],
+            )
+            result.records.append(
+                OutgoingRecord(record, encode_record(record), [w for w, _ in group])
+            )
+            base_version, base_id = base_version + 1, record.record_id
+            group, group_size = [], overhead
+
+        for request in batch:
+            try:
+                ops = list(request.generator(trial))
+            except Exception as exc:  # the caller's generator: its exception, unchanged
+                result.refused.append((request, exc))
+                continue
+            try:
+                encoded = machine.encode(ops)
+            except CodecError as exc:
+                result.refused.append((request, exc))
+                continue
+            size = sum(len(e) + 8 for e in encoded) + 16
+            if size + overhead > max_bytes:
+                error = RecordTooLargeError(
+                    f"write of {size} bytes exceeds max_record_bytes={max_bytes}",
+                    size=size,
+                    limit=max_bytes,
+                )
+                result.refused.append((request, error))
+                continue
+            if group and (len(group) >= max_writes or group_size + size > max_bytes):
+                flush()
+            record_version = base_version + 1  # the version of the record this write joins
+            try:
+                trial = machine.apply_write(
+                    trial, ops, begins=None if group else record_version, trial=True
+                )
+            except MutatedInPlaceError as exc:
+                # The live state now holds an unacknowledged write: send nothing.
+                return Batch(refused=result.refused, halt=(request, ConfigurationError(str(exc))))
+            except Exception as exc:
+                failure: BaseException = exc
+                if not isinstance(exc, ApplyError):  # begin_record raised
+                    failure = ApplyError(f"begin_record raised: {type(exc).__name__}: {exc}")
+                    failure.__cause__ = exc
+                result.refused.append((request, failure))
+                # The trial state may hold part of this write: rebuild it from the real one.
+                trial = machine.trial_copy(state)
+                begun = -1
+                for step_version, good_ops in applied:
+                    fresh = step_version != begun
+                    trial = machine.apply_write(
+                        trial, good_ops, begins=step_version if fresh else None
+                    )
+                    begun = step_version
+                continue
+            applied.append((record_version, ops))
+            group.append((request, encoded))
+            group_size += size
+        flush()
+        return result

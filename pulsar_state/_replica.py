@@ -1,0 +1,328 @@
+"""The replica: the pump that reads the log in order and applies the records it accepts.
+
+State changes only here. A record is accepted when the version and last record id it was
+computed against are this replica's own; otherwise it is ignored, the same way everywhere.
+The write side learns the fate of its records through the small :class:`RecordOwner`
+interface; other parts follow the replica through hooks (``after_apply``, ``on_halt``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fixed
+
+from ._context import Context
+from ._envelope import Record, decode_record
+from ._errors import (
+    ApplyError,
+    ClosedError,
+    CorruptRecordError,
+    PartitionedTopicError,
+    PulsarStateError,
+    ReplicaHaltedError,
+)
+from ._machine import StateMachine
+from ._pulsar import LogPosition, PulsarConnection, RawMessage, StateReader
+from ._types import AppliedRecord, OnCorrupt
+from ._waiters import Waiters
+
+__all__ = ["Claim", "Replica", "RecordOwner"]
+
+logger = logging.getLogger(__name__)
+
+S = TypeVar("S")
+Op = TypeVar("Op")
+
+# Pause before replacing a reader that failed for good (the client reconnects by itself).
+_REOPEN_PAUSE_S = 0.5
+
+
+class Claim(Protocol):
+    """The writes of this process in a record being applied (see ``RecordOwner.claim``)."""
+
+    def after_write(self, write_seq: int, state: Any) -> None: ...
+
+    def commit(self, version: int) -> None: ...
+
+
+class RecordOwner(Protocol):
+    """The write side, as the replica sees it: whose records are whose."""
+
+    def claim(self, record_id: str) -> Claim | None: ...
+
+    def reject(self, record_id: str) -> None: ...
+
+
+class Replica(Generic[S, Op]):
+    """The state, its version, how far the log has been read, and the pump that moves them."""
+
+    def __init__(
+        self,
+        state: S,
+        machine: StateMachine[S, Op],
+        context: Context,
+        *,
+        on_corrupt: OnCorrupt,
+        owner: RecordOwner,
+    ) -> None:
+        self.state = state
+        self.version = 0  # how many records were accepted
+        self.last_record_id = ""
+        self.read_to: LogPosition | None = None  # the last message handled
+        self.halt: PulsarStateError | None = None
+        self.listeners: list[Callable[[AppliedRecord[Op]], None]] = []
+        # Internal hooks, called before listeners: (version, state) after each record.
+        self.after_apply: list[Callable[[int, S], None]] = []
+        self.on_halt: list[Callable[[ReplicaHaltedError], None]] = []
+        self._machine = machine
+        self._context = context
+        self._topic = context.topic
+        self._reader_name = f"pulsar-state-{context.writer_id}"
+        self._on_corrupt = on_corrupt
+        self._owner = owner
+        self._stats = context.stats
+        self._conn: PulsarConnection | None = None
+        self._reader: StateReader | None = None
+        self._log_waiters: Waiters[LogPosition] = Waiters()
+        self._version_waiters: Waiters[int] = Waiters()
+
+    def load(self, state: S, version: int, last_record_id: str, read_to: LogPosition) -> None:
+        """Start from a snapshot instead of the empty state."""
+        self.state, self.version, self.last_record_id = state, version, last_record_id
+        self.read_to = read_to
+        self._stats.position = version
+
+    # ------------------------------------------------------------------ the reader
+
+    async def attach(self, conn: PulsarConnection) -> None:
+        """Open the reader on the topic, which must be non-partitioned."""
+        topic = str(self._topic)
+        partitions = await conn.partitions(topic)
+        if len(partitions) > 1 or (partitions and partitions[0] != topic):
+            raise PartitionedTopicError(
+                f"{topic} is partitioned ({len(partitions)} partitions): replicated state needs "
+                "a non-partitioned topic, the only kind with one total order",
+                topic=topic,
+            )
+        await self.open_reader(conn)
+
+    async def open_reader(self, conn: PulsarConnection) -> None:
+        """Open (or replace) the reader, just after the last message handled."""
+        self._conn = conn
+        old, self._reader = self._reader, None
+        if old is not None:
+            await old.close()  # first: a new reader prefetches from the moment it exists
+        self._reader = await conn.create_reader(
+            str(self._topic), name=self._reader_name, after=self.read_to
+        )
+
+    async def close_reader(self, timeout: float) -> None:
+        if self._reader is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reader.close(), timeout)
+
+    async def pump(self) -> None:
+        while not self._context.closed:
+            batch = await self._next_batch()
+            if batch is None:
+                return
+            for message in batch:
+                self.on_message(message)
+                if self.halt is not None:
+                    return
+
+    async def _next_batch(self) -> list[RawMessage] | None:
+        """The next messages; None once closed. A reader that failed for good is replaced
+        after a pause, resuming right after the last message this replica has handled."""
+        assert self._reader is not None
+        try:
+            return await self._reader.read_batch()  # the hot path: no retry machinery
+        except PulsarStateError as exc:
+            if self._context.closed:
+                return None
+            logger.warning("reading %s failed (%s); reopening the reader", self._topic, exc)
+        await asyncio.sleep(_REOPEN_PAUSE_S)  # the client reconnects by itself meanwhile
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception(self._worth_retrying),
+                wait=wait_fixed(_REOPEN_PAUSE_S),
+                before_sleep=self._log_read_failure,
+                reraise=True,
+            ):
+                with attempt:
+                    if self._context.closed:
+                        return None
+                    assert self._conn is not None
+                    await self.open_reader(self._conn)
+                    assert self._reader is not None
+                    return await self._reader.read_batch()
+        except PulsarStateError:
+            if self._context.closed:
+                return None
+            raise
+        raise AssertionError("unreachable: the reads are retried until one succeeds")
+
+    def _worth_retrying(self, exc: BaseException) -> bool:
+        return isinstance(exc, PulsarStateError) and not self._context.closed
+
+    def _log_read_failure(self, retry_state: RetryCallState) -> None:
+        failed = retry_state.outcome.exception() if retry_state.outcome is not None else None
+        logger.warning("reader on %s failed again (%s); reopening it", self._topic, failed)
+
+    # ------------------------------------------------------------------ applying
+
+    def on_message(self, message: RawMessage, record: Record | None = None) -> None:
+        """Handle the next message of the log (``record``: already decoded, our own)."""
+        if self.read_to is not None and message.position <= self.read_to:
+            logger.debug("ignoring redelivered message %s", message.position)
+            return
+        self._stats.records_read += 1
+        self._stats.bytes_read += len(message.payload)
+        try:
+            if record is None:
+                record = decode_record(message.payload, message_id=str(message.position))
+            accepted = (
+                record.base_position == self.version
+                and record.base_record_id == self.last_record_id
+            )
+            decoded = self._machine.decode(record, message.position) if accepted else []
+        except CorruptRecordError as exc:
+            if self._on_corrupt == "skip":
+                self._stats.records_skipped += 1
+                logger.warning("skipping message on %s: %s", self._topic, exc)
+                self._advance_read(message.position)
+                return
+            self.halt_with(exc)
+            return
+        if accepted:
+            self._apply(record, decoded, message.position)
+            if self.halt is not None:
+                return
+        else:
+            self._stats.records_rejected += 1
+            logger.debug(
+                "ignoring stale record %s (based on %d/%r, replica at %d/%r)",
+                record.record_id,
+                record.base_position,
+                record.base_record_id,
+                self.version,
+                self.last_record_id,
+            )
+            self._owner.reject(record.record_id)
+        self._advance_read(message.position)
+
+    def apply_own(self, payload: bytes, record: Record, at: LogPosition) -> None:
+        """Apply our own acknowledged record at once when it is provably next in the log.
+
+        Entries of a ledger are numbered densely, so a record stored at (L, e) while this
+        replica has read exactly (L, e-1) has nothing before it left unread: handling it now
+        is what the pump would do when the reader delivers it (and the pump then skips it).
+        Otherwise (first entry of a ledger, or the pump is behind) the pump handles it.
+        """
+        last = self.read_to
+        if last is not None and last.ledger == at.ledger and last.entry + 1 == at.entry:
+            self.on_message(RawMessage(payload, at), record)  # no need to decode
+
+    def _apply(self, record: Record, decoded: list[list[Op]], at: LogPosition) -> None:
+        claim = self._owner.claim(record.record_id)
+        seqs = [w.write_seq for w in record.writes]
+
+        def after_write(index: int, state: S) -> None:
+            if claim is not None:
+                claim.after_write(seqs[index], state)
+
+        try:
+            self.state = self._machine.apply_record(
+                self.state, self.version + 1, decoded, after_write
+            )
+        except Exception as exc:
+            # The writer validated these ops on an identical state, so apply is not
+            # deterministic. The state may hold part of this record: stop here, loudly.
+            self.halt_with(
+                ApplyError(
+                    f"apply raised on record {record.record_id} at message {at}: "
+                    f"{type(exc).__name__}: {exc}; apply must be deterministic"
+                ),
+                cause=exc,
+            )
+            return
+        self.version += 1
+        self.last_record_id = record.record_id
+        self._stats.position = self.version
+        for hook in self.after_apply:
+            hook(self.version, self.state)
+        if claim is not None:
+            claim.commit(self.version)
+        if self.listeners:
+            applied = AppliedRecord(self.version, record.record_id, at, decoded)
+            for listener in list(self.listeners):
+                try:
+                    listener(applied)
+                except Exception:
+                    logger.exception("listener raised; it stays registered")
+        self._version_waiters.release(self.version)
+
+    def _advance_read(self, at: LogPosition) -> None:
+        self.read_to = at
+        self._log_waiters.release(at)
+
+    # ------------------------------------------------------------------ halting
+
+    def halt_with(self, error: PulsarStateError, cause: BaseException | None = None) -> None:
+        if cause is not None:
+            error.__cause__ = cause
+        self.halt = error
+        logger.error("replica of %s halted at position %d: %s", self._topic, self.version, error)
+        halted = self.halted_error()
+        self.fail_waiters(halted)
+        for hook in self.on_halt:
+            hook(halted)
+
+    def halted_error(self) -> ReplicaHaltedError:
+        error = ReplicaHaltedError(
+            f"replica of {self._topic} stopped at position {self.version}: {self.halt}",
+            position=self.version,
+        )
+        error.__cause__ = self.halt
+        return error
+
+    def check_running(self) -> None:
+        if self.halt is not None:
+            raise self.halted_error()
+        if self._context.closed:
+            raise ClosedError(f"manager on {self._topic} is closed")
+
+    # ------------------------------------------------------------------ waiting
+
+    def reached(self, target: LogPosition | None) -> bool:
+        return target is None or (self.read_to is not None and self.read_to >= target)
+
+    def log_waiter(self, target: LogPosition) -> asyncio.Future[None]:
+        """A future done once the pump has handled the message at ``target``."""
+        if self.halt is not None:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            future.set_exception(self.halted_error())
+            return future
+        if self.reached(target):
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(None)
+            return future
+        return self._log_waiters.add(target)
+
+    async def wait_log(self, target: LogPosition | None) -> None:
+        if target is None or self.reached(target):
+            self.check_running()
+            return
+        await self.log_waiter(target)
+
+    def version_waiter(self, version: int) -> asyncio.Future[None]:
+        return self._version_waiters.add(version)
+
+    def fail_waiters(self, error: BaseException) -> None:
+        self._log_waiters.fail(error)
+        self._version_waiters.fail(error)

@@ -1,0 +1,63 @@
+"""BlockingPortal.call_sync and the SyncFacade base of the blocking twins (no broker)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+
+from pulsar_state import BlockingPortal, ClosedError
+from pulsar_state._sync import SyncFacade, backstop
+
+
+def test_call_sync_runs_on_the_portal_thread_and_returns() -> None:
+    portal = BlockingPortal()
+    try:
+        assert portal.call_sync(lambda a, b: (a + b, threading.current_thread().name), 1, 2) == (
+            3,
+            "pulsar-state-portal",
+        )
+        with pytest.raises(KeyError):
+            portal.call_sync({}.__getitem__, "missing")
+    finally:
+        portal.stop()
+    with pytest.raises(ClosedError):
+        portal.call_sync(lambda: None)
+
+
+def test_backstop_adds_the_grace_to_a_timeout() -> None:
+    assert backstop(None) is None
+    assert backstop(1.0) == 6.0
+
+
+@dataclass
+class Resource:
+    events: list[str] = field(default_factory=list)
+    open_timeout_s: float = 1.0
+    read_timeout_s: float = 1.0
+    write_timeout_s: float = 1.0
+
+    async def open(self, *, timeout: float | None = None) -> None:
+        self.events.append(f"open {timeout}")
+
+    async def aclose(self) -> None:
+        self.events.append("aclose")
+
+
+def test_facade_opens_and_closes_through_with_and_stops_only_its_own_portal() -> None:
+    resource = Resource()
+    with SyncFacade(resource, resource, None) as facade:
+        own = facade.portal
+        assert resource.events == ["open None"]
+    assert resource.events == ["open None", "aclose"]
+    with pytest.raises(ClosedError):
+        own.call_sync(lambda: None)  # the facade made it, the facade stopped it
+
+    shared = BlockingPortal()
+    try:
+        with SyncFacade(resource, resource, shared):
+            pass
+        assert shared.call_sync(lambda: 42) == 42  # given, so left running
+    finally:
+        shared.stop()
