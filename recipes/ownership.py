@@ -186,6 +186,7 @@ class Ownership:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(closed)
+                future.exception()  # an acquire still waiting gets it; nobody else must
         self._pending.clear()
         self._keepers.clear()
         for callback in self._on_close:

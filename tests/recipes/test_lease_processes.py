@@ -136,12 +136,17 @@ async def test_sigstopped_holder_is_fenced_after_resuming(
     data = topic + "-data"
     ttl = 1.5
     args = (service_url, admin_url, topic, data)
-    async with (
-        new_map(service_url, data, admin_url, takeover_after_s=1.0) as shared,
-        lease_worker(tmp_path, "hold", *args, "frozen", str(ttl)) as frozen,
-        lease_worker(tmp_path, "hold", *args, "next", "30") as successor,
-    ):
-        old = (await frozen.read())["lease"]
+    async with contextlib.AsyncExitStack() as stack:
+        shared = await stack.enter_async_context(
+            new_map(service_url, data, admin_url, takeover_after_s=1.0)
+        )
+        frozen = await stack.enter_async_context(
+            lease_worker(tmp_path, "hold", *args, "frozen", str(ttl))
+        )
+        old = (await frozen.read())["lease"]  # held before the successor queues behind it
+        successor = await stack.enter_async_context(
+            lease_worker(tmp_path, "hold", *args, "next", "30")
+        )
         await frozen.send(["write", "before"])
         assert await frozen.read() == {"wrote": "before"}
         os.kill(frozen.process.pid, signal.SIGSTOP)
