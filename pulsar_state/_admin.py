@@ -28,7 +28,7 @@ from ._errors import (
 )
 from ._pulsar import LogPosition, http_cause, is_transient_cause
 
-__all__ = ["AdminClient", "TopicName", "default_admin_url"]
+__all__ = ["AdminClient", "TopicName", "default_admin_url", "resolve_admin_url"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +81,19 @@ def _stale_connection(exc: BaseException) -> bool:
     # TimeoutError is an OSError too, but a slow server is not helped by asking again.
     return isinstance(exc, (http.client.HTTPException, OSError)) and not isinstance(
         exc, TimeoutError
+    )
+
+
+def resolve_admin_url(pulsar: Any, admin_url: str | None) -> str:
+    """The admin URL for a manager given a service URL or a borrowed client."""
+    if admin_url is not None:
+        return admin_url
+    if isinstance(pulsar, str):
+        return default_admin_url(pulsar)
+    # A client does not tell its service URL: guessing would talk to another broker.
+    raise ConfigurationError(
+        "a borrowed pulsar.asyncio.Client needs admin_url= (the broker's admin REST "
+        "URL, e.g. http://host:8080)"
     )
 
 

@@ -25,10 +25,10 @@ import copy
 import logging
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar, overload
 
-from ._admin import AdminClient, TopicName, default_admin_url
+from ._admin import AdminClient, TopicName, resolve_admin_url
 from ._bootstrap import replay_to_tail
 from ._codecs import Codec, JsonCodec
 from ._context import Context, Settings, Tunables
@@ -56,6 +56,13 @@ logger = logging.getLogger(__name__)
 S = TypeVar("S")
 Op = TypeVar("Op")
 T = TypeVar("T")
+
+
+async def _bounded(step: Awaitable[None], timeout: float) -> None:
+    """One step of a close, given up after ``timeout``: a silent broker cannot hang a close."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):  # unlike 3.11's wait_for, never eats a cancel
+            await step
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:
@@ -150,19 +157,9 @@ class SharedStateManager(Tunables, Generic[S, Op]):
     ) -> None:
         if on_corrupt not in ("halt", "skip"):
             raise ConfigurationError(f"on_corrupt must be 'halt' or 'skip', not {on_corrupt!r}")
-        if max_writes_per_record < 1 or max_writes_per_batch < 1 or max_record_bytes < 1024:
-            raise ConfigurationError("max_writes_per_* must be >= 1 and max_record_bytes >= 1024")
         self.topic = TopicName.parse(topic)
         self._pulsar_arg = pulsar
-        if isinstance(pulsar, str):
-            admin_url = admin_url or default_admin_url(pulsar)
-        elif admin_url is None:
-            # A client does not tell its service URL: guessing would talk to another broker.
-            raise ConfigurationError(
-                "a borrowed pulsar.asyncio.Client needs admin_url= (the broker's admin REST "
-                "URL, e.g. http://host:8080)"
-            )
-        self._admin = AdminClient(admin_url)
+        self._admin = AdminClient(resolve_admin_url(pulsar, admin_url))
         self._check_topic = check_topic
         self._settings = Settings(
             idle_release_s=idle_release_s,
@@ -273,8 +270,23 @@ class SharedStateManager(Tunables, Generic[S, Op]):
                 what=f"checking the policies of {topic}",
             )
         if (codec := self._snapshot_codec) is not None:
+            store = SnapshotStore(
+                conn,
+                self._admin,
+                self.topic,
+                chunk_bytes=self._snapshot_chunk_bytes,
+                timeout_s=self.open_timeout_s,
+            )
+            start = SnapshotPolicy[S].start
             self._snapshots = await retry_transient(
-                lambda: self._start_snapshots(conn, codec),
+                lambda: start(
+                    self._context,
+                    store,
+                    codec,
+                    replica,
+                    self._machine.trial_copy,
+                    load=self._load_snapshot,
+                ),
                 deadline=deadline,
                 what="loading a snapshot",
             )
@@ -314,27 +326,6 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             self.stats.records_read,
         )
 
-    async def _start_snapshots(self, conn: PulsarConnection, codec: Codec[S]) -> SnapshotPolicy[S]:
-        hooks = list(self._replica.after_apply)
-        try:
-            return await SnapshotPolicy.start(
-                self._context,
-                SnapshotStore(
-                    conn,
-                    self._admin,
-                    self.topic,
-                    chunk_bytes=self._snapshot_chunk_bytes,
-                    timeout_s=self.open_timeout_s,
-                ),
-                codec,
-                self._replica,
-                self._machine.trial_copy,
-                load=self._load_snapshot,
-            )
-        except BaseException:
-            self._replica.after_apply[:] = hooks  # a retry registers its own hook
-            raise
-
     async def aclose(self, *, timeout: float = 10.0) -> None:
         """Stop: fail queued writes, release the writer at once, stop the reader."""
         if self._context.closed:
@@ -353,19 +344,16 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             await self._snapshots.cancel()
         # Every step is bounded: a broker that does not answer cannot hang a close.
         if self._writer is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._writer.release(), timeout)
+            await _bounded(self._writer.release(), timeout)
         await self._replica.close_reader(timeout)
         if self._pump_task is not None:
             await _cancel(self._pump_task)
         self._pending.fail_in_flight()
         self._pending.fail_queued(closed)  # anything requeued while closing
         self._replica.fail_waiters(closed)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._admin.close(), timeout)
+        await _bounded(self._admin.close(), timeout)
         if self._conn is not None and self._owns_conn:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._conn.close(), timeout)
+            await _bounded(self._conn.close(), timeout)
         logger.debug("closed manager on %s", self.topic)
 
     def _check_usable(self) -> None:
@@ -405,14 +393,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         Registering and reading the state in the same synchronous step gives a consistent
         snapshot followed by every later change.
         """
-        listeners = self._replica.listeners
-        listeners.append(listener)
-
-        def remove() -> None:
-            with contextlib.suppress(ValueError):
-                listeners.remove(listener)
-
-        return remove
+        return self._replica.add_listener(listener)
 
     async def read(
         self, reader: Callable[[S], T], *, latest: bool = False, timeout: float | None = None
@@ -432,33 +413,13 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         """Catch up with the tail of the log as of now; returns the position reached."""
         self._check_usable()
         timeout = self.read_timeout_s if timeout is None else timeout
-        deadline = asyncio.get_running_loop().time() + timeout
-        tail = await retry_transient(
-            lambda: self._admin.last_position(self.topic),
-            deadline=deadline,
-            what=f"capturing the tail of {self.topic}",
-        )
-        try:
-            async with asyncio.timeout_at(deadline):
-                await self._replica.wait_log(tail)
-        except TimeoutError as exc:
-            raise OperationTimeoutError(
-                f"could not catch up with {self.topic} in {timeout}s"
-            ) from exc
-        return self._replica.version
+        return await self._replica.catch_up(lambda: self._admin.last_position(self.topic), timeout)
 
     async def wait_for(self, position: int, *, timeout: float | None = None) -> None:
         """Wait until this replica has accepted ``position`` records (read-your-writes)."""
         self._check_usable()
-        if self._replica.version >= position:
-            return
         timeout = self.read_timeout_s if timeout is None else timeout
-        try:
-            await asyncio.wait_for(self._replica.version_waiter(position), timeout)
-        except TimeoutError as exc:
-            raise OperationTimeoutError(
-                f"position {position} not reached in {timeout}s (at {self._replica.version})"
-            ) from exc
+        await self._replica.wait_version(position, timeout)
 
     @overload
     async def write(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fixed
@@ -24,12 +24,14 @@ from ._errors import (
     CodecError,
     CorruptRecordError,
     ForkedHistoryError,
+    OperationTimeoutError,
     PartitionedTopicError,
     PulsarStateError,
     ReplicaHaltedError,
 )
 from ._machine import StateMachine
 from ._pulsar import LogPosition, PulsarConnection, RawMessage, StateReader
+from ._retry import retry_transient
 from ._types import AppliedRecord, OnCorrupt
 from ._waiters import Waiters
 
@@ -394,6 +396,45 @@ class Replica(Generic[S, Op]):
 
     def version_waiter(self, version: int) -> asyncio.Future[None]:
         return self._version_waiters.add(version)
+
+    async def wait_version(self, version: int, timeout: float) -> None:
+        """Wait until ``version`` records are accepted, or raise OperationTimeoutError."""
+        if self.version >= version:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await self.version_waiter(version)
+        except TimeoutError as exc:
+            raise OperationTimeoutError(
+                f"position {version} not reached in {timeout}s (at {self.version})"
+            ) from exc
+
+    async def catch_up(
+        self, tail: Callable[[], Awaitable[LogPosition | None]], timeout: float
+    ) -> int:
+        """Read up to the log's tail as ``tail()`` captures it now (retried while transient);
+        returns the version reached, or raises OperationTimeoutError after ``timeout``."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        what = f"capturing the tail of {self._context.topic}"
+        target = await retry_transient(tail, deadline=deadline, what=what)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self.wait_log(target)
+        except TimeoutError as exc:
+            raise OperationTimeoutError(
+                f"could not catch up with {self._context.topic} in {timeout}s"
+            ) from exc
+        return self.version
+
+    def add_listener(self, listener: Callable[[AppliedRecord[Op]], None]) -> Callable[[], None]:
+        """Register ``listener`` for each accepted record; returns its unsubscribe."""
+        self.listeners.append(listener)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                self.listeners.remove(listener)
+
+        return remove
 
     def fail_waiters(self, error: BaseException) -> None:
         self._log_waiters.fail(error)

@@ -355,9 +355,14 @@ class SnapshotPolicy(Generic[S]):
         """The policy of a replica about to start: loads the newest good snapshot into it
         (unless ``load`` is False) and registers the determinism check as its hook."""
         policy = cls(context, store, codec, replica, copy_state)
+        hooks = list(replica.after_apply)
         replica.after_apply.append(policy.check_determinism)
-        if await policy.load_newest(load=load):
-            await replica.open_reader(store.conn)  # resume right after the snapshot
+        try:
+            if await policy.load_newest(load=load):
+                await replica.open_reader(store.conn)  # resume right after the snapshot
+        except BaseException:
+            replica.after_apply[:] = hooks  # a retried start registers its own hook
+            raise
         return policy
 
     async def load_newest(self, *, load: bool) -> bool:

@@ -7,8 +7,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar, cast, overload
 
-from pulsar_state import BlockingPortal, Codec, ManagerStats
-from pulsar_state._sync import SyncFacade, backstop
+from pulsar_state import BlockingPortal, Codec, ManagerStats, SyncFacade, backstop
 
 from ._map_ops import MapEntry, MapEvent, MapVersion
 from ._map_watch import MapWatch

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from pulsar_state import BlockingPortal, ClosedError
+from pulsar_state import BlockingPortal, ClosedError, backstop
 
 from ._lease_table import Lease, Mode, NotHeldError
 from .ownership import Ownership
@@ -16,7 +16,6 @@ __all__ = ["SyncOwnership"]
 T = TypeVar("T")
 
 # Added to a call's own timeout as the portal's backstop against a stuck loop.
-_GRACE_S = 5.0
 
 
 class SyncOwnership:
@@ -58,7 +57,7 @@ class SyncOwnership:
         return self._ownership.position
 
     def _call(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
-        return self._portal.call(fn, timeout=None if timeout is None else timeout + _GRACE_S)
+        return self._portal.call(fn, timeout=backstop(timeout))
 
     def open(self, *, timeout: float | None = None) -> SyncOwnership:
         self._portal.call(lambda: self._ownership.open(timeout=timeout))

@@ -14,13 +14,17 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from pulsar_state import BlockingPortal, ConfigurationError, SharedStateManager
+from pulsar_state import (
+    STATE_MACHINE_OPTIONS,
+    BlockingPortal,
+    ConfigurationError,
+    SharedStateManager,
+    backstop,
+)
 
 __all__ = ["Counter", "SyncCounter"]
 
 T = TypeVar("T")
-_RESERVED_OPTIONS = frozenset({"initial_state", "apply", "codec", "copy_state", "begin_record"})
-_GRACE_S = 5.0
 
 
 def _check_int(value: object, what: str) -> int:
@@ -49,7 +53,7 @@ class Counter:
     """
 
     def __init__(self, pulsar: Any, topic: str, **manager_options: Any) -> None:
-        reserved = sorted(_RESERVED_OPTIONS & manager_options.keys())
+        reserved = sorted(STATE_MACHINE_OPTIONS & manager_options.keys())
         if reserved:
             raise ConfigurationError(f"Counter sets {', '.join(reserved)} itself")
         self._manager: SharedStateManager[dict[str, Any], Any] = SharedStateManager(
@@ -116,7 +120,7 @@ class SyncCounter:
 
     def _call(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
         default = self._counter.manager.write_timeout_s
-        return self._portal.call(fn, timeout=(default if timeout is None else timeout) + _GRACE_S)
+        return self._portal.call(fn, timeout=backstop(default if timeout is None else timeout))
 
     def open(self, *, timeout: float | None = None) -> SyncCounter:
         self._portal.call(lambda: self._counter.open(timeout=timeout))

@@ -35,9 +35,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any, ClassVar, Generic, TypeVar, cast, overload
 
 from pulsar_state import (
+    STATE_MACHINE_OPTIONS,
     ClosedError,
     Codec,
     ConfigurationError,
@@ -72,9 +73,7 @@ D = TypeVar("D")
 T = TypeVar("T")
 
 # SharedStateManager options that PulsarMap sets itself.
-_RESERVED_OPTIONS = frozenset(
-    {"initial_state", "apply", "codec", "copy_state", "begin_record", "snapshot_codec"}
-)
+_RESERVED_OPTIONS = STATE_MACHINE_OPTIONS | {"snapshot_codec"}
 _CLEAR: MapOp[Any, Any] = MapOp("CLEAR")
 
 
@@ -126,6 +125,9 @@ class PulsarMap(Generic[K, V]):
     replica, and orders like the log; an absent key has version 0. A watch reports every
     change with its version (see :meth:`changes`).
     """
+
+    #: SharedStateManager options the map sets itself (passing one raises ConfigurationError).
+    reserved_options: ClassVar[frozenset[str]] = _RESERVED_OPTIONS
 
     @overload
     def __init__(

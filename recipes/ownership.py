@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from pulsar_state import (
+    STATE_MACHINE_OPTIONS,
     AppliedRecord,
     ClosedError,
     ConfigurationError,
@@ -61,7 +62,6 @@ __all__ = ["Ownership"]
 
 logger = logging.getLogger(__name__)
 
-_RESERVED_OPTIONS = frozenset({"initial_state", "apply", "codec", "copy_state", "begin_record"})
 # After a lease is due by the local clock, wait this long (plus jitter, so that not every
 # replica races to append the same tick) before appending the tick that expires it.
 _REAP_GRACE_S = 0.05
@@ -114,7 +114,7 @@ class Ownership:
         reap: bool = True,
         **manager_options: Any,
     ) -> None:
-        reserved = sorted(_RESERVED_OPTIONS & manager_options.keys())
+        reserved = sorted(STATE_MACHINE_OPTIONS & manager_options.keys())
         if reserved:
             raise ConfigurationError(f"Ownership sets {', '.join(reserved)} itself")
         if owner is not None and (not isinstance(owner, str) or not owner):
