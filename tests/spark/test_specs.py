@@ -109,7 +109,9 @@ def test_fork_child_opens_its_own_map_and_parent_keeps_working(spec: MapSpec) ->
             os._exit(code)
     os.close(write_end)
     try:
-        ready, _, _ = select.select([read_end], [], [], WAIT_S)
+        poller = select.poll()  # not select(): descriptors can be above 1024 in a long session
+        poller.register(read_end, select.POLLIN)
+        ready = poller.poll(WAIT_S * 1000)
         if not ready:
             os.kill(pid, signal.SIGKILL)
             pytest.fail(f"the forked child gave no answer in {WAIT_S}s")
