@@ -247,7 +247,9 @@ async def _with_map(settings: Settings, use: Callable[[PulsarMap[Any, Any]], Awa
 @click.option(
     "--timeout", type=float, default=30.0, show_default=True, help="Seconds per broker step."
 )
-@click.option("-v", "--verbose", count=True, help="Log to stderr (-v info, -vv debug).")
+@click.option(
+    "-v", "--verbose", count=True, help="Show the library's logs on stderr (-v info, -vv debug)."
+)
 @click.pass_context
 def cli(
     ctx: click.Context,
@@ -261,13 +263,12 @@ def cli(
     verbose: int,
 ) -> None:
     """Inspect and change pulsar-state topics and PulsarMaps."""
-    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    # Without -v only the final error line speaks: it carries the library's message, which the
+    # library also logs (a halt, say) and would otherwise be said twice.
+    level = {0: logging.CRITICAL, 1: logging.INFO}.get(verbose, logging.DEBUG)
     logging.basicConfig(
         stream=sys.stderr, level=level, format="%(levelname)s %(name)s: %(message)s"
     )
-    if verbose == 0:
-        # The Pulsar client's own warnings (reconnects, closing) are noise for a one-shot command.
-        logging.getLogger("pulsar").setLevel(logging.ERROR)
     ctx.obj = Settings(
         service_url=service_url,
         admin_url=admin_url or default_admin_url(service_url),
