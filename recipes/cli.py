@@ -46,7 +46,7 @@ from pulsar_state import (
     StrCodec,
 )
 from pulsar_state._admin import AdminClient, TopicName, default_admin_url
-from pulsar_state._envelope import decode_manifest, decode_record
+from pulsar_state._envelope import decode_record
 
 from .map import PulsarMap
 
@@ -677,7 +677,12 @@ def status(settings: Settings) -> None:
             "records_rejected": counters.records_rejected,
             "bytes": counters.bytes_read,
             "tail": None if tail is None else f"{tail.ledger}:{tail.entry}",
-            "writer": [p.get("producerName") for p in publishers] or None,
+            # The exclusive producer, if a writer holds it now: which client, since when.
+            "writer": [
+                {k: p.get(k) for k in ("producerName", "address", "connectedSince")}
+                for p in publishers
+            ]
+            or None,
             "readers": sum(
                 len(sub.get("consumers", [])) for sub in stats.get("subscriptions", {}).values()
             ),
@@ -760,43 +765,49 @@ def snapshot() -> None:
     """The snapshots of a state topic (written by managers with a snapshot_codec)."""
 
 
+async def _with_snapshots(settings: Settings, use: Callable[[Any], Awaitable[T]]) -> T:
+    from pulsar_state._pulsar import PulsarConnection
+    from pulsar_state._snapshots import SnapshotStore
+
+    conn = PulsarConnection(settings.service_url, operation_timeout_s=settings.timeout)
+    admin = AdminClient(settings.admin_url)
+    try:
+        store = SnapshotStore(
+            conn,
+            admin,
+            TopicName.parse(settings.need_topic()),
+            chunk_bytes=1024 * 1024,
+            timeout_s=settings.timeout,
+        )
+        return await use(store)
+    finally:
+        await admin.close()
+        await conn.close()
+
+
+def _manifest_json(manifest: Any) -> dict[str, Any]:
+    return {
+        "snapshot_id": manifest.snapshot_id,
+        "position": manifest.position,
+        "size": manifest.size,
+        "chunks": manifest.chunks,
+        "digest": manifest.digest,
+        "created_at": datetime.datetime.fromtimestamp(
+            manifest.created_at, tz=datetime.UTC
+        ).isoformat(timespec="seconds"),
+        "writer": manifest.writer_id,
+    }
+
+
 @snapshot.command(name="list")
 @pass_settings
 def snapshot_list(settings: Settings) -> None:
     """The complete snapshots, oldest first (from ``<topic>-snapshot-index``)."""
 
-    async def index_exists(index: str) -> bool:
-        admin = AdminClient(settings.admin_url)
-        try:
-            code, _ = await admin.get(TopicName.parse(index).rest_path + "/stats")
-        finally:
-            await admin.close()
-        return code != 404
+    async def work(store: Any) -> list[dict[str, Any]]:
+        return [_manifest_json(m) for m in await store.manifests()]
 
-    def work() -> list[dict[str, Any]]:
-        index = f"{settings.need_topic()}-snapshot-index"
-        # Reading would create the index topic: look first.
-        if not _run(settings, lambda: index_exists(index)):
-            return []
-        found = []
-        for message in _read_all(settings, index):
-            manifest = decode_manifest(message.data(), message_id=str(message.message_id()))
-            found.append(
-                {
-                    "snapshot_id": manifest.snapshot_id,
-                    "position": manifest.position,
-                    "size": manifest.size,
-                    "chunks": manifest.chunks,
-                    "digest": manifest.digest,
-                    "created_at": datetime.datetime.fromtimestamp(
-                        manifest.created_at, tz=datetime.UTC
-                    ).isoformat(timespec="seconds"),
-                    "writer": manifest.writer_id,
-                }
-            )
-        return found
-
-    manifests = _guard(work, settings.timeout)
+    manifests = _run(settings, lambda: _with_snapshots(settings, work))
     if settings.json:
         _emit(_dumps(manifests))
     else:
@@ -805,6 +816,40 @@ def snapshot_list(settings: Settings) -> None:
                 f"{m['snapshot_id']}\tposition {m['position']}\t{m['size']} bytes\t"
                 f"{m['created_at']}"
             )
+
+
+@snapshot.command(name="verify")
+@click.argument("snapshot_id", required=False)
+@pass_settings
+def snapshot_verify(settings: Settings, snapshot_id: str | None) -> None:
+    """Read every snapshot (or SNAPSHOT_ID) and check its chunks and digest. Exit 3 if one fails."""
+
+    async def work(store: Any) -> list[dict[str, Any]]:
+        manifests = await store.manifests()
+        if snapshot_id is not None:
+            manifests = [m for m in manifests if m.snapshot_id == snapshot_id]
+            if not manifests:
+                raise BadInput(f"no snapshot {snapshot_id} on {settings.need_topic()}")
+        results = []
+        for manifest in manifests:
+            try:
+                await store.load(manifest)
+                problem = None
+            except PulsarStateError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            results.append({**_manifest_json(manifest), "ok": problem is None, "error": problem})
+        return results
+
+    results = _run(settings, lambda: _with_snapshots(settings, work))
+    for result in results:
+        if settings.json:
+            _emit(_dumps(result))
+        else:
+            verdict = "ok" if result["ok"] else f"FAIL {result['error']}"
+            _emit(f"{result['snapshot_id']}\tposition {result['position']}\t{verdict}")
+    failed = sum(not result["ok"] for result in results)
+    if failed:
+        _fail(f"{failed} of {len(results)} snapshots failed verification", EXIT_FAILED)
 
 
 def main() -> NoReturn:

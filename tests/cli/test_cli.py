@@ -190,8 +190,14 @@ def test_log_shows_writer_time_and_ops(broker: Broker, topic: str) -> None:
 
 
 async def test_status_and_snapshot_list(broker: Broker, topic: str) -> None:
+    # The writer stays held while idle (idle_release_s), so status can name its holder.
     async with counter_manager(
-        broker.service_url, topic, broker.admin_url, snapshot_codec=JsonCodec()
+        broker.service_url,
+        topic,
+        broker.admin_url,
+        snapshot_codec=JsonCodec(),
+        idle_release_s=120.0,
+        max_hold_s=120.0,
     ) as manager:
         for _ in range(3):
             await manager.write(lambda state: [incr()])
@@ -202,9 +208,17 @@ async def test_status_and_snapshot_list(broker: Broker, topic: str) -> None:
     assert status["records_rejected"] == 0
     assert status["policies"] == "ok"
     assert status["tail"] is not None
+    [writer] = status["writer"]
+    assert writer["address"]
+    assert writer["connectedSince"]
     snapshots = json.loads(ok(pulsar_state(broker, topic, "-o", "json", "snapshot", "list")))
     assert [s["snapshot_id"] for s in snapshots] == [manifest.snapshot_id]
     assert snapshots[0]["position"] == 3
+
+    verified = json.loads(ok(pulsar_state(broker, topic, "-o", "json", "snapshot", "verify")))
+    assert verified["snapshot_id"] == manifest.snapshot_id
+    assert verified["ok"] is True
+    one_error_line(pulsar_state(broker, topic, "snapshot", "verify", "0" * 32), 2, "no snapshot")
 
     one_error_line(pulsar_state(broker, topic + "-nothing", "status"), 2, "does not exist")
     assert (
