@@ -37,11 +37,14 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 from pulsar_state import (
+    AvroCodec,
     BytesCodec,
     Codec,
+    CodecError,
     ConfigurationError,
     JsonCodec,
     PulsarStateError,
+    ReplayProgress,
     SharedStateManager,
     StrCodec,
 )
@@ -82,7 +85,7 @@ def _parse(text: str, codec: str, what: str) -> Any:
     """A key or value given on the command line, in the codec's form."""
     if codec == "str":
         return text
-    if codec == "bytes":
+    if codec == "bytes":  # "json" and "avro" values are JSON
         try:
             return base64.b64decode(text, validate=True)
         except binascii.Error as exc:
@@ -138,8 +141,14 @@ class Settings:
     topic: str | None
     output: str
     key_codec: str
-    value_codec: str
+    value_codec: str  # one of CODECS, or "avro" with value_schema
     timeout: float
+    value_schema: dict[str, Any] | None = None
+
+    def values(self) -> Codec[Any]:
+        if self.value_schema is not None:
+            return AvroCodec(self.value_schema)
+        return _codec(self.value_codec)
 
     def need_topic(self) -> str:
         if not self.topic:
@@ -151,8 +160,9 @@ class Settings:
             self.service_url,
             self.need_topic(),
             key_codec=_codec(self.key_codec),
-            value_codec=_codec(self.value_codec),
+            value_codec=self.values(),
             admin_url=self.admin_url,
+            on_progress=_show_progress,
             name="pulsar-state-cli",
             open_timeout_s=self.timeout,
             write_timeout_s=self.timeout,
@@ -164,12 +174,23 @@ class Settings:
         return self.output == "json"
 
 
+def _show_progress(progress: ReplayProgress) -> None:
+    """A long replay's progress on stderr, only for a person watching (a TTY)."""
+    if not sys.stderr.isatty():
+        return
+    total = "?" if progress.records_total is None else str(progress.records_total)
+    end = "\n" if progress.done else ""
+    click.echo(f"\rreplaying: {progress.records_read}/{total} records", err=True, nl=False)
+    click.echo(end, err=True, nl=False)
+
+
 def _emit(line: str) -> None:
     click.echo(line)
 
 
 def _fail(message: str, code: int) -> NoReturn:
-    click.echo(f"pulsar-state: {message}", err=True)
+    # One line, whatever the message holds (some library errors quote multi-line details).
+    click.echo(f"pulsar-state: {' '.join(message.split())}", err=True)
     sys.exit(code)
 
 
@@ -179,7 +200,7 @@ def _guard(work: Callable[[], T], timeout: float) -> T:
         return work()
     except BadInput as exc:
         _fail(str(exc), EXIT_USAGE)
-    except ConfigurationError as exc:
+    except (ConfigurationError, CodecError) as exc:  # input refused before any write
         _fail(f"{type(exc).__name__}: {exc}", EXIT_USAGE)
     except PulsarStateError as exc:
         _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
@@ -245,6 +266,11 @@ async def _with_map(settings: Settings, use: Callable[[PulsarMap[Any, Any]], Awa
     help="Map values (bytes: base64 on the command line and in JSON).",
 )
 @click.option(
+    "--value-schema",
+    type=click.File("r", encoding="utf-8"),
+    help="An Avro schema file (.avsc): values are Avro records, given and shown as JSON.",
+)
+@click.option(
     "--timeout", type=float, default=30.0, show_default=True, help="Seconds per broker step."
 )
 @click.option(
@@ -259,6 +285,7 @@ def cli(
     output: str,
     key_codec: str,
     value_codec: str,
+    value_schema: Any,
     timeout: float,
     verbose: int,
 ) -> None:
@@ -278,6 +305,12 @@ def cli(
         value_codec=value_codec,
         timeout=timeout,
     )
+    if value_schema is not None:
+        try:
+            ctx.obj.value_schema = json.load(value_schema)
+        except json.JSONDecodeError as exc:
+            _fail(f"--value-schema {value_schema.name}: not JSON ({exc})", EXIT_USAGE)
+        ctx.obj.value_codec = "avro"
 
 
 pass_settings = click.make_pass_decorator(Settings)
@@ -562,18 +595,31 @@ class _BrokerFailure(PulsarStateError):
     """A raw client call failed (the CLI's own reads)."""
 
 
-def _map_op(data: bytes, settings: Settings) -> dict[str, Any]:
+class UndecodableOpError(PulsarStateError):
+    """``log --ops map`` met an op that the chosen codecs cannot decode."""
+
+
+def _map_op_decoder(settings: Settings) -> Callable[[bytes], dict[str, Any]]:
     from ._map_ops import MapCodecs, MapOpCodec
 
-    op = MapOpCodec(MapCodecs(_codec(settings.key_codec), _codec(settings.value_codec))).decode(
-        data
-    )
-    shown: dict[str, Any] = {"op": op.kind}
-    if op.kind != "CLEAR":
-        shown["key"] = _to_json(op.key)
-    if op.kind == "PUT":
-        shown["value"] = _to_json(op.value)
-    return shown
+    codec = MapOpCodec(MapCodecs(_codec(settings.key_codec), settings.values()))
+
+    def decode(data: bytes) -> dict[str, Any]:
+        try:
+            op = codec.decode(data)
+        except CodecError as exc:  # stored data, not the user's input: not an exit 2
+            raise UndecodableOpError(
+                f"an op on the topic does not decode with these codecs ({exc}); "
+                "choose the map's --key-codec/--value-codec, or --ops raw"
+            ) from exc
+        shown: dict[str, Any] = {"op": op.kind}
+        if op.kind != "CLEAR":
+            shown["key"] = _to_json(op.key)
+        if op.kind == "PUT":
+            shown["value"] = _to_json(op.value)
+        return shown
+
+    return decode
 
 
 @cli.command()
@@ -594,6 +640,7 @@ def log(settings: Settings, ops: str, limit: int | None) -> None:
     """
 
     def records() -> Iterator[dict[str, Any]]:
+        show: Callable[[bytes], Any] = _map_op_decoder(settings) if ops == "map" else _to_json
         accepted, last_id = 0, ""
         for message in _read_all(settings, settings.need_topic(), limit):
             message_id = message.message_id()
@@ -611,10 +658,7 @@ def log(settings: Settings, ops: str, limit: int | None) -> None:
                 "record_id": record.record_id,
                 "writer": record.writer_id,
                 "time": published.isoformat(timespec="milliseconds"),
-                "writes": [
-                    [_map_op(op, settings) if ops == "map" else _to_json(op) for op in write.ops]
-                    for write in record.writes
-                ],
+                "writes": [[show(op) for op in write.ops] for write in record.writes],
             }
 
     def collect() -> None:
@@ -666,6 +710,7 @@ def status(settings: Settings) -> None:
             copy_state=None,
             check_topic=False,
             open_timeout_s=settings.timeout,
+            on_progress=_show_progress,
         )
         async with manager:
             position, counters = manager.position, manager.stats

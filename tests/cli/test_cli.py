@@ -306,3 +306,31 @@ def test_every_command_has_help(command: str) -> None:
     )
     assert result.returncode == 0
     assert "Usage: pulsar-state" in result.stdout
+
+
+def test_avro_values_by_schema_file(broker: Broker, topic: str, tmp_path: Path) -> None:
+    schema = tmp_path / "job.avsc"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "record",
+                "name": "Job",
+                "fields": [{"name": "name", "type": "string"}, {"name": "tries", "type": "int"}],
+            }
+        )
+    )
+    avro = ["--value-schema", str(schema)]
+    ok(pulsar_state(broker, topic, *avro, "put", "j1", '{"name": "build", "tries": 2}'))
+    got = json.loads(ok(pulsar_state(broker, topic, *avro, "-o", "json", "get", "j1")))
+    assert got["value"] == {"name": "build", "tries": 2}
+    # A value the schema refuses: the library's CodecError, exit 2, nothing written.
+    bad = pulsar_state(broker, topic, *avro, "put", "j2", '{"name": 1}')
+    one_error_line(bad, 2, "Error")
+    raw = ok(pulsar_state(broker, topic, "log")).splitlines()
+    assert len(raw) == 1
+    # The map's ops with the wrong codec: exit 3 and a hint, not a traceback.
+    one_error_line(pulsar_state(broker, topic, "log", "--ops", "map"), 3, "--value-codec")
+    logged = ok(pulsar_state(broker, topic, *avro, "-o", "json", "log", "--ops", "map"))
+    assert json.loads(logged)["writes"] == [
+        [{"op": "PUT", "key": "j1", "value": {"name": "build", "tries": 2}}]
+    ]
