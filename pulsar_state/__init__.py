@@ -15,6 +15,7 @@ from ._errors import (
     ConfigurationError,
     CorruptRecordError,
     FencedError,
+    ForkedHistoryError,
     OperationTimeoutError,
     PartitionedTopicError,
     PulsarStateError,
@@ -28,14 +29,14 @@ from ._errors import (
 )
 from ._manager import SharedStateManager
 from ._pulsar import LogPosition
-from ._sync import BlockingPortal, SyncSharedStateManager
-from ._types import AppliedRecord, ManagerStats, ReplayProgress, WriteResult
+from ._sync import BlockingPortal, SyncFacade, SyncSharedStateManager, backstop
+from ._types import STATE_MACHINE_OPTIONS, AppliedRecord, ManagerStats, ReplayProgress, WriteResult
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ApplyError",
     "AppliedRecord",
+    "ApplyError",
     "AvroCodec",
     "BlockingPortal",
     "BrokerError",
@@ -47,6 +48,7 @@ __all__ = [
     "ConfigurationError",
     "CorruptRecordError",
     "FencedError",
+    "ForkedHistoryError",
     "JsonCodec",
     "LogPosition",
     "ManagerStats",
@@ -56,22 +58,25 @@ __all__ = [
     "RecordTooLargeError",
     "ReplayProgress",
     "ReplicaHaltedError",
+    "STATE_MACHINE_OPTIONS",
     "SchemaMismatchError",
     "SharedStateManager",
     "SnapshotManifest",
     "StrCodec",
+    "SyncFacade",
     "SyncSharedStateManager",
     "TopicError",
     "UnsafeTopicPolicyError",
     "WriteOutcomeUnknownError",
     "WriteResult",
     "WriterBusyError",
+    "backstop",
     "__version__",
 ]
 
 # Public objects report the public module (``pulsar_state.ClosedError``, not
 # ``pulsar_state._errors.ClosedError``) in reprs, tracebacks and docs, as httpx does.
 for _name in __all__:
-    if not _name.startswith("__"):
+    if not _name.startswith("__") and hasattr(globals()[_name], "__module__"):
         globals()[_name].__module__ = __name__
 del _name

@@ -26,9 +26,9 @@ from ._errors import (
     PartitionedTopicError,
     UnsafeTopicPolicyError,
 )
-from ._pulsar import LogPosition
+from ._pulsar import LogPosition, http_cause, is_transient_cause
 
-__all__ = ["AdminClient", "TopicName", "default_admin_url"]
+__all__ = ["AdminClient", "TopicName", "default_admin_url", "resolve_admin_url"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +84,19 @@ def _stale_connection(exc: BaseException) -> bool:
     )
 
 
+def resolve_admin_url(pulsar: Any, admin_url: str | None) -> str:
+    """The admin URL for a manager given a service URL or a borrowed client."""
+    if admin_url is not None:
+        return admin_url
+    if isinstance(pulsar, str):
+        return default_admin_url(pulsar)
+    # A client does not tell its service URL: guessing would talk to another broker.
+    raise ConfigurationError(
+        "a borrowed pulsar.asyncio.Client needs admin_url= (the broker's admin REST "
+        "URL, e.g. http://host:8080)"
+    )
+
+
 class AdminClient:
     """A minimal asynchronous client for Pulsar's admin REST API."""
 
@@ -121,12 +134,16 @@ class AdminClient:
                     with attempt:
                         status, body = self._request(path)
             except TimeoutError as exc:
-                raise OperationTimeoutError(f"admin GET {path} timed out") from exc
+                timed_out = OperationTimeoutError(f"admin GET {path} timed out")
+                timed_out.retriable = is_transient_cause("http timeout")
+                raise timed_out from exc
             except (http.client.HTTPException, OSError) as exc:
-                raise BrokerUnavailableError(
+                unreachable = BrokerUnavailableError(
                     f"admin API at {self.admin_url} unreachable ({exc}); pass "
                     "admin_url= if the broker's web service is elsewhere"
-                ) from exc
+                )
+                unreachable.retriable = is_transient_cause("http connection")
+                raise unreachable from exc
         try:
             detail = json.loads(body) if body.strip() else None
         except ValueError:
@@ -163,7 +180,9 @@ class AdminClient:
     async def get_ok(self, path: str) -> Any:
         status, body = await self.get(path)
         if status != 200:
-            raise BrokerError(f"admin GET {path} answered {status}: {body}", result=str(status))
+            error = BrokerError(f"admin GET {path} answered {status}: {body}", result=str(status))
+            error.retriable = is_transient_cause(http_cause(status))
+            raise error
         return body
 
     async def last_position(self, topic: TopicName) -> LogPosition | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
 from ._admin import TopicName
+from ._errors import ConfigurationError
 from ._types import ManagerStats
 
 __all__ = ["Context", "Settings", "Tunables"]
@@ -32,6 +33,12 @@ class Settings:
     max_writes_per_batch: int
     snapshot_every_records: int | None
     snapshot_every_bytes: int | None
+
+    def __post_init__(self) -> None:
+        if min(self.max_writes_per_record, self.max_writes_per_batch) < 1:
+            raise ConfigurationError("max_writes_per_* must be >= 1")
+        if self.max_record_bytes < 1024:
+            raise ConfigurationError("max_record_bytes must be >= 1024")
 
 
 @dataclass(eq=False, slots=True)

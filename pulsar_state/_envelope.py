@@ -25,6 +25,7 @@ same way by every replica, makes a stale or fenced writer harmless whatever the 
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ __all__ = [
     "encode_chunk",
     "encode_manifest",
     "encode_record",
+    "message_fingerprint",
     "record_overhead",
 ]
 
@@ -193,6 +195,26 @@ class SnapshotManifest:
     first_chunk_entry: int
     created_at: float
     writer_id: str
+    # The incarnation of the state topic it describes (None in manifests written before they
+    # existed): the first message of the log and the covered message (log_ledger:log_entry),
+    # each by position and record id. A topic deleted and created again under the same name
+    # has other ledgers and other record ids, so a snapshot of the old one never matches it.
+    log_first_ledger: int | None = None
+    log_first_entry: int | None = None
+    log_first_record: str | None = None
+    log_covered_record: str | None = None
+
+
+_MANIFEST_FIELDS = frozenset(SnapshotManifest.__dataclass_fields__)
+
+
+def message_fingerprint(payload: bytes, *, message_id: str) -> str:
+    """What identifies a log message besides its position: its record id, or for a message
+    that is not a valid record, a digest of its bytes."""
+    try:
+        return decode_record(payload, message_id=message_id).record_id
+    except CorruptRecordError:
+        return "sha256:" + hashlib.sha256(payload).hexdigest()[:32]
 
 
 def encode_manifest(manifest: SnapshotManifest) -> bytes:
@@ -216,8 +238,10 @@ def decode_manifest(payload: bytes, *, message_id: str) -> SnapshotManifest:
             f"message {message_id}: not a valid snapshot manifest", message_id=message_id
         )
     try:
-        return SnapshotManifest(**json.loads(payload[len(MANIFEST_MAGIC) : end]))
-    except (TypeError, ValueError) as exc:
+        fields = json.loads(payload[len(MANIFEST_MAGIC) : end])
+        # Fields a newer version added are ignored: what this version checks stays checked.
+        return SnapshotManifest(**{k: v for k, v in fields.items() if k in _MANIFEST_FIELDS})
+    except (TypeError, ValueError, AttributeError) as exc:
         raise CorruptRecordError(
             f"message {message_id}: damaged snapshot manifest ({exc})", message_id=message_id
         ) from exc

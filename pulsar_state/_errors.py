@@ -18,6 +18,7 @@
     │   └── SchemaMismatchError           data written with an incompatible or unknown schema
     ├── ApplyError                        the ``apply`` function raised on an op
     ├── CorruptRecordError                a message on the topic is not a valid record
+    ├── ForkedHistoryError                a record proves two histories of one topic
     ├── ReplicaHaltedError                this replica stopped applying (see ``__cause__``)
     └── ClosedError                       the manager is closed
 
@@ -36,6 +37,7 @@ __all__ = [
     "ConfigurationError",
     "CorruptRecordError",
     "FencedError",
+    "ForkedHistoryError",
     "OperationTimeoutError",
     "PartitionedTopicError",
     "PulsarStateError",
@@ -147,6 +149,16 @@ class ApplyError(PulsarStateError):
 
 class CorruptRecordError(PulsarStateError):
     """A message on the state topic is not a valid pulsar-state record (foreign or damaged)."""
+
+    def __init__(self, message: str, *, message_id: str) -> None:
+        super().__init__(message)
+        self.message_id = message_id
+
+
+class ForkedHistoryError(PulsarStateError):
+    """A record was written on a history this replica does not have: its base is ahead of
+    this replica, or at the same position with a different last record. The replica halts
+    (this is the ``__cause__`` of its :class:`ReplicaHaltedError`)."""
 
     def __init__(self, message: str, *, message_id: str) -> None:
         super().__init__(message)

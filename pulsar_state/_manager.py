@@ -25,10 +25,10 @@ import copy
 import logging
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar, overload
 
-from ._admin import AdminClient, TopicName, default_admin_url
+from ._admin import AdminClient, TopicName, resolve_admin_url
 from ._bootstrap import replay_to_tail
 from ._codecs import Codec, JsonCodec
 from ._context import Context, Settings, Tunables
@@ -44,6 +44,7 @@ from ._pending import PendingWrites
 from ._pulsar import PulsarConnection
 from ._records import RecordBuilder
 from ._replica import Replica
+from ._retry import retry_transient
 from ._snapshots import SnapshotPolicy, SnapshotStore
 from ._types import AppliedRecord, ManagerStats, OnCorrupt, ReplayProgress, WriteResult
 from ._writer import Writer
@@ -55,6 +56,13 @@ logger = logging.getLogger(__name__)
 S = TypeVar("S")
 Op = TypeVar("Op")
 T = TypeVar("T")
+
+
+async def _bounded(step: Awaitable[None], timeout: float) -> None:
+    """One step of a close, given up after ``timeout``: a silent broker cannot hang a close."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):  # unlike 3.11's wait_for, never eats a cancel
+            await step
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:
@@ -88,7 +96,8 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         begin_record: ``begin_record(state, position)`` runs before the ops of each accepted
             record, with the position that record gets (1 for the first): for states that
             stamp versions. Runs on the writer's trial state too, with the same position.
-        admin_url: the broker's admin REST URL (default derived from the service URL).
+        admin_url: the broker's admin REST URL (default derived from the service URL; required
+            with a borrowed client).
         on_corrupt: ``"halt"`` (default) stops applying at a foreign or damaged message and
             raises :class:`ReplicaHaltedError` from then on; ``"skip"`` logs, counts and skips.
         check_topic: refuse partitioned topics and topics whose policies lose history.
@@ -148,15 +157,9 @@ class SharedStateManager(Tunables, Generic[S, Op]):
     ) -> None:
         if on_corrupt not in ("halt", "skip"):
             raise ConfigurationError(f"on_corrupt must be 'halt' or 'skip', not {on_corrupt!r}")
-        if max_writes_per_record < 1 or max_writes_per_batch < 1 or max_record_bytes < 1024:
-            raise ConfigurationError("max_writes_per_* must be >= 1 and max_record_bytes >= 1024")
         self.topic = TopicName.parse(topic)
         self._pulsar_arg = pulsar
-        if isinstance(pulsar, str):
-            service_url = pulsar
-        else:
-            service_url = getattr(pulsar, "service_url", "pulsar://127.0.0.1:6650")
-        self._admin = AdminClient(admin_url or default_admin_url(service_url))
+        self._admin = AdminClient(resolve_admin_url(pulsar, admin_url))
         self._check_topic = check_topic
         self._settings = Settings(
             idle_release_s=idle_release_s,
@@ -228,20 +231,23 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             raise ConfigurationError("the manager is already open")
         self._opened = True
         timeout = self.open_timeout_s if timeout is None else timeout
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            async with asyncio.timeout(timeout):
-                await self._open()
+            async with asyncio.timeout_at(deadline):
+                await self._open(deadline)
         except TimeoutError as exc:
             await self.aclose()
+            # The retry's own time-out names the last failure (e.g. the broker unreachable).
+            detail = f": {exc}" if isinstance(exc, PulsarStateError) else ""
             raise OperationTimeoutError(
                 f"opening {self.topic} did not finish in {timeout}s "
-                f"({self.stats.records_read} records replayed)"
+                f"({self.stats.records_read} records replayed){detail}"
             ) from exc
         except BaseException:
             await self.aclose()
             raise
 
-    async def _open(self) -> None:
+    async def _open(self, deadline: float) -> None:
         if isinstance(self._pulsar_arg, str):
             self._conn = PulsarConnection(
                 self._pulsar_arg,
@@ -252,33 +258,50 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         else:
             self._conn = PulsarConnection.wrap(self._pulsar_arg)
         conn, topic, replica = self._conn, str(self.topic), self._replica
-        # Creating the reader also creates the topic (auto-creation), so policies exist.
-        await replica.attach(conn)
+        # Each step is retried on transient failures (a broker restarting) up to the deadline;
+        # each is idempotent. Creating the reader also creates the topic, so policies exist.
+        await retry_transient(
+            lambda: replica.attach(conn), deadline=deadline, what=f"opening a reader on {topic}"
+        )
         if self._check_topic:
-            await self._admin.check_topic(self.topic)
-        if self._snapshot_codec is not None:
-            self._snapshots = await SnapshotPolicy.start(
-                self._context,
-                SnapshotStore(
-                    conn,
-                    self._admin,
-                    self.topic,
-                    chunk_bytes=self._snapshot_chunk_bytes,
-                    timeout_s=self.open_timeout_s,
+            await retry_transient(
+                lambda: self._admin.check_topic(self.topic),
+                deadline=deadline,
+                what=f"checking the policies of {topic}",
+            )
+        if (codec := self._snapshot_codec) is not None:
+            store = SnapshotStore(
+                conn,
+                self._admin,
+                self.topic,
+                chunk_bytes=self._snapshot_chunk_bytes,
+                timeout_s=self.open_timeout_s,
+            )
+            start = SnapshotPolicy[S].start
+            self._snapshots = await retry_transient(
+                lambda: start(
+                    self._context,
+                    store,
+                    codec,
+                    replica,
+                    self._machine.trial_copy,
+                    load=self._load_snapshot,
                 ),
-                self._snapshot_codec,
-                replica,
-                self._machine.trial_copy,
-                load=self._load_snapshot,
+                deadline=deadline,
+                what="loading a snapshot",
             )
         self._pump_task = asyncio.create_task(replica.pump(), name=f"pulsar-state-pump-{topic}")
-        await replay_to_tail(
-            replica,
-            self._admin,
-            self.topic,
-            self.stats,
-            snapshot=self._snapshots.loaded if self._snapshots else None,
-            on_progress=self._on_progress,
+        await retry_transient(
+            lambda: replay_to_tail(
+                replica,
+                self._admin,
+                self.topic,
+                self.stats,
+                snapshot=self._snapshots.loaded if self._snapshots else None,
+                on_progress=self._on_progress,
+            ),
+            deadline=deadline,
+            what=f"replaying {topic} to its tail",
         )
         self._check_usable()  # the replay may have stopped at a bad record: refuse to open
         self._writer = Writer(
@@ -321,18 +344,16 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             await self._snapshots.cancel()
         # Every step is bounded: a broker that does not answer cannot hang a close.
         if self._writer is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._writer.release(), timeout)
+            await _bounded(self._writer.release(), timeout)
         await self._replica.close_reader(timeout)
         if self._pump_task is not None:
             await _cancel(self._pump_task)
         self._pending.fail_in_flight()
+        self._pending.fail_queued(closed)  # anything requeued while closing
         self._replica.fail_waiters(closed)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._admin.close(), timeout)
+        await _bounded(self._admin.close(), timeout)
         if self._conn is not None and self._owns_conn:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._conn.close(), timeout)
+            await _bounded(self._conn.close(), timeout)
         logger.debug("closed manager on %s", self.topic)
 
     def _check_usable(self) -> None:
@@ -372,14 +393,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         Registering and reading the state in the same synchronous step gives a consistent
         snapshot followed by every later change.
         """
-        listeners = self._replica.listeners
-        listeners.append(listener)
-
-        def remove() -> None:
-            with contextlib.suppress(ValueError):
-                listeners.remove(listener)
-
-        return remove
+        return self._replica.add_listener(listener)
 
     async def read(
         self, reader: Callable[[S], T], *, latest: bool = False, timeout: float | None = None
@@ -399,28 +413,13 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         """Catch up with the tail of the log as of now; returns the position reached."""
         self._check_usable()
         timeout = self.read_timeout_s if timeout is None else timeout
-        try:
-            async with asyncio.timeout(timeout):
-                tail = await self._admin.last_position(self.topic)
-                await self._replica.wait_log(tail)
-        except TimeoutError as exc:
-            raise OperationTimeoutError(
-                f"could not catch up with {self.topic} in {timeout}s"
-            ) from exc
-        return self._replica.version
+        return await self._replica.catch_up(lambda: self._admin.last_position(self.topic), timeout)
 
     async def wait_for(self, position: int, *, timeout: float | None = None) -> None:
         """Wait until this replica has accepted ``position`` records (read-your-writes)."""
         self._check_usable()
-        if self._replica.version >= position:
-            return
         timeout = self.read_timeout_s if timeout is None else timeout
-        try:
-            await asyncio.wait_for(self._replica.version_waiter(position), timeout)
-        except TimeoutError as exc:
-            raise OperationTimeoutError(
-                f"position {position} not reached in {timeout}s (at {self._replica.version})"
-            ) from exc
+        await self._replica.wait_version(position, timeout)
 
     @overload
     async def write(

@@ -19,7 +19,12 @@ from typing import Any
 
 from ._context import Context
 from ._envelope import write_id
-from ._errors import OperationTimeoutError, PulsarStateError, WriteOutcomeUnknownError
+from ._errors import (
+    ClosedError,
+    OperationTimeoutError,
+    PulsarStateError,
+    WriteOutcomeUnknownError,
+)
 from ._records import OutgoingRecord
 from ._types import ManagerStats, WriteResult
 
@@ -93,6 +98,8 @@ class PendingWrites:
         self._in_flight: dict[str, list[PendingWrite]] = {}
         self._write_seq = itertools.count(1)
         self.wake = asyncio.Event()
+        # The writer's latest failure, named when a write times out (why it did not land).
+        self.last_failure: BaseException | None = None
 
     # ------------------------------------------------------------------ the queue
 
@@ -146,6 +153,12 @@ class PendingWrites:
         # Retried first, in their original order: they waited longest. A write is never in
         # the queue twice, or its generator could run and commit twice in one batch.
         again = [p for p in retry if not p.queued and not p.future.done()]
+        if self._context.closed:
+            # Nobody serves the queue any more (it was failed and the watchdog stops): end
+            # them here, or their callers would wait forever.
+            for pending in again:
+                pending.future.set_exception(self._closed_error(pending))
+            return
         for pending in again:
             pending.queued = True
         self.queue.extendleft(reversed(again))
@@ -184,6 +197,16 @@ class PendingWrites:
     def fail_timeout(self, pending: PendingWrite) -> None:
         pending.future.set_exception(self._timeout_error(pending))
 
+    def _closed_error(self, pending: PendingWrite) -> PulsarStateError:
+        wid = write_id(self._writer_id, pending.write_seq)
+        if pending.outstanding:
+            return WriteOutcomeUnknownError(
+                f"the manager closed before the outcome of write {wid} was seen; it was "
+                "applied once or not at all",
+                write_id=wid,
+            )
+        return ClosedError(f"the manager closed before write {wid} was appended")
+
     def _timeout_error(self, pending: PendingWrite) -> PulsarStateError:
         wid = write_id(self._writer_id, pending.write_seq)
         if pending.outstanding:
@@ -192,7 +215,8 @@ class PendingWrites:
                 "it was applied once or not at all",
                 write_id=wid,
             )
-        return OperationTimeoutError(f"write {wid} timed out; nothing was appended")
+        because = f" (last error: {self.last_failure})" if self.last_failure is not None else ""
+        return OperationTimeoutError(f"write {wid} timed out; nothing was appended{because}")
 
     # ------------------------------------------------------------------ in flight
 

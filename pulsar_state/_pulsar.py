@@ -2,20 +2,34 @@
 
 Everything Pulsar-specific the rest of the library needs is here, so that a client upgrade or
 a behaviour change (exception classes, defaults) is handled in one place.
+
+Clean exits: the C++ client aborts the process (``terminate called without an active
+exception``) or crashes if the interpreter exits while the client's threads still run or call
+into Python. Hence (each measured with ``scripts/exit-loop``): the client is closed with its
+blocking ``close()``, which joins its threads, on a thread of its own (never the event loop,
+and never the default executor, which is already shut down when ``atexit`` hooks run); clients
+still open at exit are closed by an ``atexit`` hook; and the client logs through a C++ logger
+into a pipe that a Python thread forwards to the ``pulsar_state.client`` logger, instead of a
+Python logger that the C++ threads would call (apache/pulsar-client-python#256).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import functools
 import logging
+import os
 import queue
+import re
+import sys
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import pulsar
 import pulsar.asyncio as pulsar_asyncio
@@ -33,16 +47,24 @@ from ._errors import (
     WriterBusyError,
 )
 
+if sys.platform == "linux":
+    import fcntl
+
 __all__ = [
     "LogPosition",
     "PulsarConnection",
     "RawMessage",
     "StateReader",
     "StateWriter",
+    "TRANSIENT",
+    "http_cause",
+    "is_transient_cause",
     "translate_errors",
 ]
 
 logger = logging.getLogger("pulsar_state")
+
+T = TypeVar("T")
 
 # Closing never waits longer than this on an unresponsive broker.
 _CLOSE_TIMEOUT_S = 10.0
@@ -59,6 +81,79 @@ _UNAVAILABLE = {
     pulsar.Result.NotConnected,
 }
 
+# The one classification of transport failures, Pulsar's binary protocol and the admin REST
+# API alike: True = transient (the same call may succeed a moment later, so every call retries
+# it with backoff until its own deadline), False = permanent (retrying cannot help without a
+# change; the call fails at once). A cause missing here is permanent: fail loudly when unsure.
+TRANSIENT: dict[str, bool] = {
+    # The broker is down, restarting, or its connection broke.
+    "ConnectError": True,
+    "NotConnected": True,
+    "ReadError": True,
+    "Timeout": True,
+    "LookupError": True,
+    "TooManyLookupRequestException": True,
+    # The topic is being loaded, fenced, unloaded or moved to another broker.
+    "ServiceUnitNotReady": True,
+    "BrokerMetadataError": True,
+    # Includes "Not enough non-faulty bookies available" while the bookie comes back.
+    "BrokerPersistenceError": True,
+    "ChecksumError": True,
+    # Another process holds the writer, or ours was taken over: a later turn may get it.
+    "ProducerBusy": True,
+    "ProducerFenced": True,
+    # A reader of the same name not yet dropped after a reconnect; a client still reconnecting.
+    "ConsumerBusy": True,
+    "ProducerNotInitialized": True,
+    "ConsumerNotInitialized": True,
+    "ProducerQueueIsFull": True,
+    "MemoryBufferIsFull": True,
+    # Bad input, configuration, credentials or topic: no retry can fix these.
+    "UnknownError": False,
+    "InvalidConfiguration": False,
+    "AuthenticationError": False,
+    "AuthorizationError": False,
+    "ErrorGettingAuthenticationData": False,
+    "AlreadyClosed": False,
+    "InvalidMessage": False,
+    "InvalidTopicName": False,
+    "InvalidUrl": False,
+    "OperationNotSupported": False,
+    "ProducerBlockedQuotaExceededError": False,
+    "ProducerBlockedQuotaExceededException": False,
+    "MessageTooBig": False,
+    "TopicNotFound": False,
+    "TopicTerminated": False,
+    "SubscriptionNotFound": False,
+    "ConsumerNotFound": False,
+    "UnsupportedVersionError": False,
+    "IncompatibleSchema": False,
+    "CryptoError": False,
+    "NotAllowedError": False,
+    "Interrupted": False,
+    # Admin REST API. Connection refused/reset/closed, and a socket time-out.
+    "http connection": True,
+    "http timeout": True,
+    # A redirect to the broker that owns the topic (its ownership may be moving).
+    "http 3xx": True,
+    # Topic being loaded ("temporarily unavailable"), broker starting, overloaded.
+    "http 5xx": True,
+    "http 429": True,
+    "http 4xx": False,  # 401/403 credentials, 404 no such topic, 409/412 a conflict
+}
+
+
+def is_transient_cause(cause: str) -> bool:
+    """Whether a failure named as in :data:`TRANSIENT` may pass by itself."""
+    return TRANSIENT.get(cause, False)
+
+
+def http_cause(status: int) -> str:
+    """The :data:`TRANSIENT` key of an HTTP status that is not a success."""
+    if status == 429:
+        return "http 429"
+    return f"http {status // 100}xx"
+
 
 class _ExpectedContention(logging.Filter):
     """Drop the C++ client's warnings for expected writer contention (we log it at DEBUG)."""
@@ -69,6 +164,209 @@ class _ExpectedContention(logging.Filter):
 
 _client_logger = logging.getLogger("pulsar_state.client")
 _client_logger.addFilter(_ExpectedContention())
+
+# "2026-01-02 03:04:05.678 WARN  [1403] ClientConnection:209 | message", as the C++ client writes.
+_CLIENT_LINE = re.compile(r"^\S+ \S+ (?P<level>[A-Z]+)\s+\[\d+\] (?P<where>\S+) \| (?P<msg>.*)$")
+_CLIENT_LEVELS = {
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARN": logging.WARNING,
+    "ERROR": logging.ERROR,
+}
+
+
+class _ClientLogPipe:
+    """Carries the C++ client's log lines to the ``pulsar_state.client`` Python logger.
+
+    The client writes them (a C++ ``FileLogger``) into a pipe; a daemon thread reads the pipe
+    and logs each line. The client's threads never call into Python, which can abort the
+    process at exit (apache/pulsar-client-python#256), and the log still goes wherever the
+    application's logging sends it (not to stdout, the C++ console logger's stream).
+    """
+
+    _PIPE_BYTES = 1 << 20  # room for bursts, so a C++ thread never waits on a slow reader
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        read_fd, self._write_fd = os.pipe()
+        if sys.platform == "linux":
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(self._write_fd, fcntl.F_SETPIPE_SZ, self._PIPE_BYTES)
+        threading.Thread(
+            target=self._forward, args=(read_fd,), name="pulsar-state-client-log", daemon=True
+        ).start()
+
+    @property
+    def path(self) -> str:
+        return f"/dev/fd/{self._write_fd}"
+
+    @staticmethod
+    def _forward(read_fd: int) -> None:
+        with open(read_fd, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                _log_client_line(line.rstrip("\n"))
+
+
+def _log_client_line(line: str) -> None:
+    match = _CLIENT_LINE.match(line)
+    if match is None:
+        if line.strip():
+            _client_logger.warning("%s", line)
+        return
+    level = _CLIENT_LEVELS.get(match["level"], logging.WARNING)
+    _client_logger.log(level, "%s | %s", match["where"], match["msg"])
+
+
+_log_pipe: _ClientLogPipe | None = None
+_log_pipe_lock = threading.Lock()
+
+
+def _client_log_option() -> Any:
+    """The ``logger`` option for a new client: a C++ file logger writing into this process's
+    pipe, at the level the ``pulsar_state.client`` logger lets through (WARNING by default).
+
+    pulsar-client keeps the logger of the first client of the process (for all clients), so
+    the level is the one in effect when that client opened.
+    """
+    global _log_pipe
+    if not os.path.isdir("/dev/fd"):  # no pipe path to give the C++ logger (Windows)
+        return pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn)
+    with _log_pipe_lock:
+        if _log_pipe is None or _log_pipe.pid != os.getpid():  # a forked child needs its own
+            _log_pipe = _ClientLogPipe()
+        path = _log_pipe.path
+    level = _client_logger.getEffectiveLevel()
+    if level <= logging.DEBUG:
+        cpp_level = pulsar.LoggerLevel.Debug
+    elif level <= logging.INFO:
+        cpp_level = pulsar.LoggerLevel.Info
+    elif level <= logging.WARNING:
+        cpp_level = pulsar.LoggerLevel.Warn
+    else:
+        cpp_level = pulsar.LoggerLevel.Error
+    return pulsar.FileLogger(cpp_level, path)
+
+
+def close_in_own_thread(close: Callable[[], object], timeout: float, what: str) -> bool:
+    """Run a blocking ``close`` on a thread of its own and wait up to ``timeout``; True if done.
+
+    Usable where nothing else is, e.g. in an ``atexit`` hook, where the default executor
+    (``asyncio.to_thread``) is already shut down. An exception from ``close`` is logged.
+    """
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            close()
+        except BaseException as exc:
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name=f"pulsar-state-close-{what}", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # no new threads this late in interpreter shutdown: close right here
+        run()
+    else:
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("closing %s took over %ss; not waiting for it", what, timeout)
+            return False
+    if error:
+        logger.debug("closing %s: %s", what, error[0])
+    return True
+
+
+async def wait_bounded(awaitable: Awaitable[T], timeout: float) -> T:
+    """``asyncio.wait_for`` that never swallows a cancellation.
+
+    On Python 3.11, ``wait_for`` returns normally when it is cancelled just as the awaited
+    operation completes; a loop around it then never ends (measured: ``asyncio.run`` hung at
+    exit on a manager left open, its writer loop cancelled during the idle writer release).
+    Raises ``TimeoutError`` after ``timeout`` (the operation is cancelled, as with wait_for).
+    """
+    future = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({future}, timeout=timeout)
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    if not done:
+        future.cancel()
+        raise TimeoutError
+    return future.result()
+
+
+async def close_in_own_thread_async(close: Callable[[], object], timeout: float, what: str) -> bool:
+    """:func:`close_in_own_thread` awaited from the event loop, which keeps running meanwhile."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[BaseException | None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not done.done():
+            done.set_result(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            close()
+        except BaseException as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, error)
+
+    try:
+        threading.Thread(target=run, name=f"pulsar-state-close-{what}", daemon=True).start()
+    except RuntimeError:  # no new threads this late in interpreter shutdown
+        return close_in_own_thread(close, timeout, what)
+    try:
+        error = await wait_bounded(asyncio.shield(done), timeout)
+    except TimeoutError:
+        logger.warning("closing %s took over %ss; not waiting for it", what, timeout)
+        return False
+    if error is not None:
+        logger.debug("closing %s: %s", what, error)
+    return True
+
+
+def _tolerate_closed_loops() -> None:
+    """Make pulsar.asyncio's completion callbacks a no-op once their event loop is closed.
+
+    They run on the C++ client's threads and call ``loop.call_soon_threadsafe``, which raises
+    when the loop is closed; the C++ client then aborts the process (``terminate called after
+    throwing an instance of 'pybind11::error_already_set'``). It happens when ``asyncio.run``
+    returns while an operation is still in flight, e.g. the idle release of the writer (a
+    producer close) of a manager left open. Nobody can await a closed loop's future.
+    """
+
+    def guard(complete: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(complete)
+        def guarded(future: asyncio.Future[Any], *args: Any, **kwargs: Any) -> None:
+            try:
+                complete(future, *args, **kwargs)
+            except RuntimeError:
+                if not future.get_loop().is_closed():
+                    raise
+
+        guarded._pulsar_state_guarded = True  # type: ignore[attr-defined]
+        return guarded
+
+    for name in ("_set_future", "_set_future_v2"):
+        complete = getattr(pulsar_asyncio, name, None)
+        if complete is not None and not getattr(complete, "_pulsar_state_guarded", False):
+            setattr(pulsar_asyncio, name, guard(complete))
+
+
+_tolerate_closed_loops()
+
+
+def _check_process(pid: int, what: str) -> None:
+    """Refuse to use, in a forked child, a client created in the parent: pulsar-client is not
+    fork-safe (apache/pulsar-client-python#127) and would hang or crash instead."""
+    if os.getpid() != pid:
+        raise ClosedError(
+            f"{what} was created in process {pid}, before a fork; pulsar-client cannot be used "
+            "across fork: open a new manager (or map) in this process"
+        )
 
 
 class LogPosition(NamedTuple):
@@ -100,14 +398,22 @@ def _result_of(exc: BaseException) -> Any | None:
 
 
 def translate(exc: BaseException, context: str, *, creating_writer: bool = False) -> BaseException:
-    """Map a Pulsar exception (sync or asyncio flavour) to this library's tree.
+    """Map a Pulsar exception (sync or asyncio flavour) to this library's tree, with
+    ``retriable`` from :data:`TRANSIENT`.
 
     Anything that is not a Pulsar exception is returned unchanged.
     """
     result = _result_of(exc)
     if result is None:
         return exc
-    detail = f"{context}: {exc}"
+    error = _library_error(result, f"{context}: {exc}", context, creating_writer=creating_writer)
+    error.retriable = is_transient_cause(result.name)
+    return error
+
+
+def _library_error(
+    result: Any, detail: str, context: str, *, creating_writer: bool
+) -> PulsarStateError:
     if creating_writer and result in _HELD:
         return WriterBusyError(f"{context}: another process holds the topic's exclusive writer")
     if result == pulsar.Result.ProducerFenced:
@@ -144,17 +450,21 @@ class StateWriter:
     def __init__(self, producer: Any, topic: str) -> None:
         self._producer = producer
         self._topic = topic
+        self._pid = os.getpid()
 
     async def send(self, payload: bytes, *, key: str) -> LogPosition:
+        _check_process(self._pid, f"the writer on {self._topic}")
         # Every message is keyed: since Pulsar 3.2 compaction drops keyless messages (PIP-318).
         with translate_errors(f"send to {self._topic}"):
             msg_id = await self._producer.send(payload, partition_key=key)
         return LogPosition(msg_id.ledger_id(), msg_id.entry_id())
 
     async def close(self) -> None:
+        if os.getpid() != self._pid:
+            return  # the parent's producer: nothing to do with it here
         try:
             with translate_errors(f"close writer on {self._topic}"):
-                await asyncio.wait_for(self._producer.close(), _CLOSE_TIMEOUT_S)
+                await wait_bounded(self._producer.close(), _CLOSE_TIMEOUT_S)
         except (PulsarStateError, TimeoutError) as exc:
             # A fenced or disconnected producer is already released on the broker side.
             logger.debug("closing writer on %s: %s", self._topic, exc)
@@ -176,6 +486,7 @@ class StateReader:
         self._async_reader = reader
         self._reader = reader._reader  # the C++ reader under pulsar.asyncio's wrapper
         self._topic = topic
+        self._pid = os.getpid()
         self._loop = asyncio.get_running_loop()
         self._batches: queue.Queue[list[RawMessage]] = queue.Queue(maxsize=32)
         self._ready = asyncio.Event()
@@ -222,6 +533,7 @@ class StateReader:
 
     async def read_batch(self) -> list[RawMessage]:
         """The next messages in log order (at least one); waits for them."""
+        _check_process(self._pid, f"the reader on {self._topic}")
         if self._pending:
             batch = list(self._pending)
             self._pending.clear()
@@ -253,13 +565,23 @@ class StateReader:
         with translate_errors(f"read from {self._topic}"):
             return bool(await self._async_reader.has_message_available())
 
+    def stop_at_exit(self, timeout: float) -> None:
+        """Stop the reading thread quietly, from any thread (the client closes next)."""
+        self._stop.set()
+        self._thread.join(timeout)
+
     async def close(self) -> None:
+        if os.getpid() != self._pid:
+            return  # the parent's reader: its thread does not exist here
         self._stop.set()
         self._ready.set()
-        await asyncio.to_thread(self._thread.join, 5.0)
+        # Not asyncio.to_thread: the default executor is shut down before atexit hooks run.
+        await close_in_own_thread_async(
+            lambda: self._thread.join(5.0), 6.0, f"the reader thread of {self._topic}"
+        )
         try:
             with translate_errors(f"close reader on {self._topic}"):
-                await asyncio.wait_for(self._async_reader.close(), _CLOSE_TIMEOUT_S)
+                await wait_bounded(self._async_reader.close(), _CLOSE_TIMEOUT_S)
         except (PulsarStateError, TimeoutError) as exc:
             logger.debug("closing reader on %s: %s", self._topic, exc)
 
@@ -276,15 +598,26 @@ class PulsarConnection:
         client_options: dict[str, Any] | None = None,
     ) -> None:
         self.service_url = service_url
+        self._pid = os.getpid()
+        self._readers: list[StateReader] = []
         options: dict[str, Any] = {
             "operation_timeout_seconds": max(1, int(operation_timeout_s)),
             "connection_timeout_ms": int(connection_timeout_s * 1000),
-            # The C++ client logs to stdout by default; route it to Python logging instead.
-            "logger": _client_logger,
         }
         options.update(client_options or {})
+        if "logger" not in options:
+            # The C++ client logs to stdout by default; to Python logging through a pipe here.
+            options["logger"] = _client_log_option()
+        elif isinstance(options["logger"], logging.Logger):
+            logger.warning(
+                "a Python logger given to pulsar-client can abort the process at exit "
+                "(apache/pulsar-client-python#256); pass a pulsar.FileLogger or leave the "
+                "default (the pulsar_state.client logger, through a pipe)"
+            )
         with translate_errors(f"connect to {service_url}"):
             self._client = pulsar_asyncio.Client(service_url, **options)
+        with _open_lock:
+            _open_connections.add(self)
 
     @classmethod
     def wrap(cls, client: Any) -> PulsarConnection:
@@ -296,6 +629,8 @@ class PulsarConnection:
         conn = cls.__new__(cls)
         conn.service_url = getattr(client, "service_url", "")
         conn._client = client
+        conn._pid = os.getpid()
+        conn._readers = []
         return conn
 
     async def create_writer(
@@ -306,6 +641,7 @@ class PulsarConnection:
         send_timeout_s: float,
         timeout_s: float = 30.0,
     ) -> StateWriter:
+        _check_process(self._pid, "the Pulsar client")
         mode = (
             pulsar.ProducerAccessMode.ExclusiveWithFencing
             if fencing
@@ -355,6 +691,7 @@ class PulsarConnection:
             start, inclusive = pulsar.MessageId(-1, at.ledger, at.entry, -1), True
         elif last:
             start, inclusive = pulsar.MessageId.latest, True
+        _check_process(self._pid, "the Pulsar client")
         with translate_errors(f"open a reader on {topic}"):
             reader = await self._client.create_reader(
                 topic,
@@ -363,18 +700,61 @@ class PulsarConnection:
                 receiver_queue_size=2000,
                 start_message_id_inclusive=inclusive,
             )
-        return StateReader(reader, topic)
+        state_reader = StateReader(reader, topic)
+        self._readers = [r for r in self._readers if not r._stop.is_set()]
+        self._readers.append(state_reader)
+        return state_reader
 
     async def partitions(self, topic: str) -> list[str]:
+        _check_process(self._pid, "the Pulsar client")
         with translate_errors(f"look up {topic}"):
             return list(await self._client.get_topic_partitions(topic))
 
     async def close(self) -> None:
-        try:
-            with translate_errors("close client"):
-                await asyncio.wait_for(self._client.close(), _CLOSE_TIMEOUT_S)
-        except (PulsarStateError, TimeoutError) as exc:
-            logger.debug("closing client: %s", exc)
+        """Close the client and join its threads, without blocking the event loop.
+
+        ``pulsar.asyncio.Client.close()`` returns before the C++ client's threads are joined,
+        and a process exiting then can abort; the blocking close joins them.
+        """
+        with _open_lock:
+            _open_connections.discard(self)
+        if os.getpid() != self._pid:
+            return  # the parent's client: its threads do not exist here, closing would hang
+        await close_in_own_thread_async(
+            self._client._client.close, _CLOSE_TIMEOUT_S, f"the client of {self.service_url}"
+        )
+
+    def close_at_exit(self) -> None:
+        """Close from an ``atexit`` hook, whatever the state of the event loop using it."""
+        with _open_lock:
+            _open_connections.discard(self)
+        if os.getpid() != self._pid:
+            return
+        for reader in self._readers:
+            reader.stop_at_exit(1.0)  # quietly: no "read failed" from a client closed under it
+        close_in_own_thread(
+            self._client._client.close, _CLOSE_TIMEOUT_S, f"the client of {self.service_url}"
+        )
+
+
+# Clients this library opened and nobody closed yet; closed at interpreter exit.
+_open_connections: set[PulsarConnection] = set()
+_open_lock = threading.Lock()
+
+
+def close_connections_at_exit() -> None:
+    """Close every client this process opened and left open (an ``atexit`` hook).
+
+    Registered when this module is imported, so it runs after the hooks of modules imported
+    later (``atexit`` runs last-registered first), e.g. the Spark integration's cache close.
+    """
+    with _open_lock:
+        left_open = [c for c in _open_connections if c._pid == os.getpid()]
+    for conn in left_open:
+        conn.close_at_exit()
+
+
+atexit.register(close_connections_at_exit)
 
 
 def _close_orphan(creation: asyncio.Future[Any]) -> None:

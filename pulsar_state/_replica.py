@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fixed
@@ -21,13 +21,17 @@ from ._envelope import Record, decode_record
 from ._errors import (
     ApplyError,
     ClosedError,
+    CodecError,
     CorruptRecordError,
+    ForkedHistoryError,
+    OperationTimeoutError,
     PartitionedTopicError,
     PulsarStateError,
     ReplicaHaltedError,
 )
 from ._machine import StateMachine
 from ._pulsar import LogPosition, PulsarConnection, RawMessage, StateReader
+from ._retry import retry_transient
 from ._types import AppliedRecord, OnCorrupt
 from ._waiters import Waiters
 
@@ -127,6 +131,23 @@ class Replica(Generic[S, Op]):
                 await asyncio.wait_for(self._reader.close(), timeout)
 
     async def pump(self) -> None:
+        """Read and apply until closed or halted. Never ends with an exception nobody reads:
+        whatever escapes (a bug here or in user code) halts the replica with it."""
+        try:
+            await self._pump()
+        except Exception as exc:
+            if self._context.closed or self.halt is not None:
+                logger.debug("pump of %s ended after close or halt: %r", self._topic, exc)
+                return
+            self.halt_with(
+                PulsarStateError(
+                    f"the pump of {self._topic} failed after message {self.read_to}: "
+                    f"{type(exc).__name__}: {exc}"
+                ),
+                cause=exc,
+            )
+
+    async def _pump(self) -> None:
         while not self._context.closed:
             batch = await self._next_batch()
             if batch is None:
@@ -184,37 +205,84 @@ class Replica(Generic[S, Op]):
         self._stats.records_read += 1
         self._stats.bytes_read += len(message.payload)
         try:
-            if record is None:
-                record = decode_record(message.payload, message_id=str(message.position))
-            accepted = (
-                record.base_position == self.version
-                and record.base_record_id == self.last_record_id
+            self._handle(message, record)
+        except Exception as exc:
+            # User code (a codec, a hook) or a bug raised: the state may hold part of this
+            # message, so stop here, loudly, rather than let the pump die unseen.
+            self.halt_with(
+                PulsarStateError(
+                    f"handling message {message.position} of {self._topic} raised "
+                    f"{type(exc).__name__}: {exc}"
+                ),
+                cause=exc,
             )
-            decoded = self._machine.decode(record, message.position) if accepted else []
-        except CorruptRecordError as exc:
-            if self._on_corrupt == "skip":
-                self._stats.records_skipped += 1
-                logger.warning("skipping message on %s: %s", self._topic, exc)
-                self._advance_read(message.position)
+
+    def _handle(self, message: RawMessage, record: Record | None) -> None:
+        at = message.position
+        if record is None:
+            try:
+                record = decode_record(message.payload, message_id=str(at))
+            except CorruptRecordError as exc:
+                # Not a record at all: every replica sees the same, so skipping is safe.
+                if self._on_corrupt == "skip":
+                    self._stats.records_skipped += 1
+                    logger.warning("skipping message on %s: %s", self._topic, exc)
+                    self._advance_read(at)
+                    return
+                self.halt_with(exc)
                 return
-            self.halt_with(exc)
-            return
-        if accepted:
-            self._apply(record, decoded, message.position)
+        if record.base_position < self.version:
+            self._reject(record)
+        elif record.base_position == self.version and record.base_record_id == self.last_record_id:
+            try:
+                decoded = self._decode(record, at)
+            except (CorruptRecordError, CodecError) as exc:
+                # Never skipped, whatever on_corrupt says: replicas that can decode it accept
+                # it, so skipping would fork this replica's history (and its writes with it).
+                self.halt_with(exc)
+                return
+            self._apply(record, decoded, at)
             if self.halt is not None:
                 return
         else:
-            self._stats.records_rejected += 1
-            logger.debug(
-                "ignoring stale record %s (based on %d/%r, replica at %d/%r)",
-                record.record_id,
-                record.base_position,
-                record.base_record_id,
-                self.version,
-                self.last_record_id,
-            )
-            self._owner.reject(record.record_id)
-        self._advance_read(message.position)
+            self.halt_with(self._forked(record, at))
+            return
+        self._advance_read(at)
+
+    def _decode(self, record: Record, at: LogPosition) -> list[list[Op]]:
+        try:
+            return self._machine.decode(record, at)
+        except CorruptRecordError:
+            raise
+        except Exception as exc:
+            raise CodecError(
+                f"message {at}: the op codec raised {type(exc).__name__} on record "
+                f"{record.record_id}: {exc}"
+            ) from exc
+
+    def _forked(self, record: Record, at: LogPosition) -> ForkedHistoryError:
+        # In one history a record's base is never ahead of a replica that has read everything
+        # before it: its writer accepted records this replica did not (or the reverse).
+        return ForkedHistoryError(
+            f"forked history: message {at} (record {record.record_id}) was written on top of "
+            f"position {record.base_position} / record {record.base_record_id!r}, but this "
+            f"replica is at {self.version} / {self.last_record_id!r} after reading everything "
+            "before it. This replica and that writer hold different histories (a record "
+            "skipped or missed by one of them, or a log that lost its beginning)",
+            message_id=str(at),
+        )
+
+    def _reject(self, record: Record) -> None:
+        self._stats.records_rejected += 1
+        logger.debug(
+            "ignoring stale record %s (based on %d/%r, replica at %d/%r)",
+            record.record_id,
+            record.base_position,
+            record.base_record_id,
+            self.version,
+            self.last_record_id,
+        )
+        self._owner.reject(record.record_id)
 
     def apply_own(self, payload: bytes, record: Record, at: LogPosition) -> None:
         """Apply our own acknowledged record at once when it is provably next in the log.
@@ -277,7 +345,13 @@ class Replica(Generic[S, Op]):
         if cause is not None:
             error.__cause__ = cause
         self.halt = error
-        logger.error("replica of %s halted at position %d: %s", self._topic, self.version, error)
+        logger.error(
+            "replica of %s halted at position %d: %s",
+            self._topic,
+            self.version,
+            error,
+            exc_info=cause,
+        )
         halted = self.halted_error()
         self.fail_waiters(halted)
         for hook in self.on_halt:
@@ -322,6 +396,45 @@ class Replica(Generic[S, Op]):
 
     def version_waiter(self, version: int) -> asyncio.Future[None]:
         return self._version_waiters.add(version)
+
+    async def wait_version(self, version: int, timeout: float) -> None:
+        """Wait until ``version`` records are accepted, or raise OperationTimeoutError."""
+        if self.version >= version:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await self.version_waiter(version)
+        except TimeoutError as exc:
+            raise OperationTimeoutError(
+                f"position {version} not reached in {timeout}s (at {self.version})"
+            ) from exc
+
+    async def catch_up(
+        self, tail: Callable[[], Awaitable[LogPosition | None]], timeout: float
+    ) -> int:
+        """Read up to the log's tail as ``tail()`` captures it now (retried while transient);
+        returns the version reached, or raises OperationTimeoutError after ``timeout``."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        what = f"capturing the tail of {self._context.topic}"
+        target = await retry_transient(tail, deadline=deadline, what=what)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self.wait_log(target)
+        except TimeoutError as exc:
+            raise OperationTimeoutError(
+                f"could not catch up with {self._context.topic} in {timeout}s"
+            ) from exc
+        return self.version
+
+    def add_listener(self, listener: Callable[[AppliedRecord[Op]], None]) -> Callable[[], None]:
+        """Register ``listener`` for each accepted record; returns its unsubscribe."""
+        self.listeners.append(listener)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                self.listeners.remove(listener)
+
+        return remove
 
     def fail_waiters(self, error: BaseException) -> None:
         self._log_waiters.fail(error)

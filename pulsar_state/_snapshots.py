@@ -30,8 +30,15 @@ from ._envelope import (
     decode_manifest,
     encode_chunk,
     encode_manifest,
+    message_fingerprint,
 )
-from ._errors import CorruptRecordError, OperationTimeoutError, PulsarStateError, WriterBusyError
+from ._errors import (
+    CodecError,
+    CorruptRecordError,
+    OperationTimeoutError,
+    PulsarStateError,
+    WriterBusyError,
+)
 from ._pulsar import LogPosition, PulsarConnection, StateWriter
 from ._replica import Replica
 
@@ -56,6 +63,7 @@ class SnapshotStore:
     ) -> None:
         self.conn = conn
         self._admin = admin
+        self.state_topic = topic
         self.data_topic = TopicName.parse(f"{topic}-snapshots")
         self.index_topic = TopicName.parse(f"{topic}-snapshot-index")
         self._chunk_bytes = chunk_bytes
@@ -127,6 +135,54 @@ class SnapshotStore:
             )
         return data
 
+    async def log_message(self, at: LogPosition | None) -> tuple[LogPosition, str] | None:
+        """The state topic's message ``at`` a position (None: its first message), as its
+        position and fingerprint; None when the topic holds no such message.
+
+        A reader asked to start at a position the topic does not have starts elsewhere, so
+        the caller compares the position returned with the one it asked for.
+        """
+        tail = await self._admin.last_position(self.state_topic)
+        if tail is None or (at is not None and tail < at):
+            return None
+        reader = await self.conn.create_reader(str(self.state_topic), at=at)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                message = await reader.read_next()
+        finally:
+            await reader.close()
+        message_id = str(message.position)
+        return message.position, message_fingerprint(message.payload, message_id=message_id)
+
+    async def incarnation_mismatch(self, manifest: SnapshotManifest) -> str | None:
+        """Why ``manifest`` does not describe the state topic as it is now, or None if it does.
+
+        Checked: the covered message is on the topic at its position (ledger ids are never
+        reused, so a topic deleted and created again has none of the old positions) with the
+        same record, and the topic's first message is the one the snapshot's history began
+        with. A manifest written before these fingerprints existed is checked on what it
+        has: the covered message's position.
+        """
+        if manifest.position == 0 and manifest.log_ledger < 0:
+            return None  # the empty state: it describes any topic
+        covered = LogPosition(manifest.log_ledger, manifest.log_entry)
+        found = await self.log_message(covered)
+        if found is None or found[0] != covered:
+            return f"the log has no message at {covered}, the last one the snapshot covers"
+        expected = manifest.log_covered_record
+        if expected is not None and found[1] != expected:
+            return f"the message at {covered} is {found[1]}, not {expected}"
+        if manifest.log_first_record is None:
+            return None  # an older manifest: nothing more to check
+        first = await self.log_message(None)
+        first_at = LogPosition(manifest.log_first_ledger or 0, manifest.log_first_entry or 0)
+        if first is None or first != (first_at, manifest.log_first_record):
+            return (
+                f"the log begins with {first}, the snapshot's history with "
+                f"{(first_at, manifest.log_first_record)}"
+            )
+        return None
+
     async def write(
         self,
         data: bytes,
@@ -139,6 +195,17 @@ class SnapshotStore:
         """Write the chunks, then the manifest. Raises WriterBusyError if another process is
         writing a snapshot right now."""
         snapshot_id = uuid.uuid4().hex
+        first: tuple[LogPosition, str] | None = None
+        covered: tuple[LogPosition, str] | None = None
+        if log_position.ledger >= 0:
+            # The incarnation fingerprint: which log this state was read from.
+            first = await self.log_message(None)
+            covered = await self.log_message(log_position)
+            if first is None or covered is None or covered[0] != log_position:
+                raise PulsarStateError(
+                    f"{self.state_topic} no longer holds message {log_position} of this "
+                    "replica's history (was the topic deleted?): no snapshot written"
+                )
         chunks = [
             data[i : i + self._chunk_bytes] for i in range(0, len(data), self._chunk_bytes)
         ] or [b""]
@@ -170,6 +237,10 @@ class SnapshotStore:
                         first_chunk_entry=positions[0].entry,
                         created_at=time.time(),
                         writer_id=writer_id,
+                        log_first_ledger=None if first is None else first[0].ledger,
+                        log_first_entry=None if first is None else first[0].entry,
+                        log_first_record=None if first is None else first[1],
+                        log_covered_record=None if covered is None else covered[1],
                     )
                     # Written last: a snapshot is used only once all its chunks are durable.
                     await index_writer.send(encode_manifest(manifest), key=snapshot_id)
@@ -209,6 +280,33 @@ class SnapshotStore:
 
 def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def encode_checked(codec: Codec[S], state: S) -> bytes:
+    """The state's snapshot bytes, refused (CodecError) unless they load back exactly.
+
+    A lossy codec (JSON turning int dict keys into str, say) would make the replicas that
+    load the snapshot differ from those that replay, and the digest check compares bytes, so
+    it would not notice: ``encode(decode(b)) == b`` always, and ``decode(b) == state`` when
+    the state's type defines equality.
+    """
+    data = codec.encode(state)
+    try:
+        loaded = codec.decode(data)
+    except Exception as exc:
+        raise CodecError(f"snapshot_codec cannot decode the bytes it encoded: {exc}") from exc
+    if codec.encode(loaded) != data:
+        raise CodecError(
+            "snapshot_codec is lossy: encode(decode(bytes)) differs from the bytes; "
+            "no snapshot written"
+        )
+    if type(state).__eq__ is not object.__eq__ and not bool(loaded == state):
+        raise CodecError(
+            f"snapshot_codec is lossy: the state decoded from a snapshot is not equal to the "
+            f"state encoded ({type(state).__name__}; e.g. JSON turns int dict keys into str); "
+            "no snapshot written"
+        )
+    return data
 
 
 class SnapshotPolicy(Generic[S]):
@@ -257,9 +355,14 @@ class SnapshotPolicy(Generic[S]):
         """The policy of a replica about to start: loads the newest good snapshot into it
         (unless ``load`` is False) and registers the determinism check as its hook."""
         policy = cls(context, store, codec, replica, copy_state)
+        hooks = list(replica.after_apply)
         replica.after_apply.append(policy.check_determinism)
-        if await policy.load_newest(load=load):
-            await replica.open_reader(store.conn)  # resume right after the snapshot
+        try:
+            if await policy.load_newest(load=load):
+                await replica.open_reader(store.conn)  # resume right after the snapshot
+        except BaseException:
+            replica.after_apply[:] = hooks  # a retried start registers its own hook
+            raise
         return policy
 
     async def load_newest(self, *, load: bool) -> bool:
@@ -270,6 +373,17 @@ class SnapshotPolicy(Generic[S]):
             return False
         for manifest in reversed(manifests):
             try:
+                mismatch = await self._store.incarnation_mismatch(manifest)
+                if mismatch is not None:
+                    logger.warning(
+                        "snapshot %s of %s (position %d) was taken of another history of the "
+                        "topic (deleted and created again?): %s; not loading it",
+                        manifest.snapshot_id,
+                        self._topic,
+                        manifest.position,
+                        mismatch,
+                    )
+                    continue
                 started = time.monotonic()
                 data = await self._store.load(manifest)
                 state = await asyncio.to_thread(self._codec.decode, data)
@@ -310,6 +424,19 @@ class SnapshotPolicy(Generic[S]):
         if manifest is None or manifest.position != version:
             return
         self._to_verify = None
+        if manifest.record_id != self._replica.last_record_id:
+            # Record ids are unique to one history: this snapshot is of another incarnation
+            # of the topic (deleted and created again), so there is nothing to compare.
+            logger.warning(
+                "snapshot %s of %s was taken after record %s, this log has %s at position %d: "
+                "it belongs to another history of the topic, not checked",
+                manifest.snapshot_id,
+                self._topic,
+                manifest.record_id,
+                self._replica.last_record_id,
+                version,
+            )
+            return
         digest = digest_of(self._codec.encode(state))
         if digest == manifest.digest:
             logger.debug("replayed state matches snapshot %s", manifest.snapshot_id)
@@ -337,7 +464,7 @@ class SnapshotPolicy(Generic[S]):
         bytes_read = self._stats.bytes_read
         try:
             async with asyncio.timeout(timeout):
-                data = await asyncio.to_thread(self._codec.encode, state)
+                data = await asyncio.to_thread(encode_checked, self._codec, state)
                 manifest = await self._store.write(
                     data,
                     position=version,
@@ -389,6 +516,8 @@ class SnapshotPolicy(Generic[S]):
             succeeded = True
         except WriterBusyError:
             logger.debug("another process is writing a snapshot of %s", self._topic)
+        except CodecError as exc:
+            logger.error("automatic snapshot of %s refused: %s", self._topic, exc)
         except PulsarStateError as exc:
             logger.warning("automatic snapshot of %s failed: %s", self._topic, exc)
         finally:

@@ -82,6 +82,10 @@ class BlockingPortal:
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError as exc:
+            if future.done():
+                # The call's own timeout error (OperationTimeoutError is a TimeoutError,
+                # which concurrent.futures.TimeoutError is since 3.11): it is the precise one.
+                raise
             future.cancel()
             raise OperationTimeoutError(f"blocking call did not finish in {timeout}s") from exc
 

@@ -14,7 +14,14 @@ from typing import Generic, Literal, TypeVar
 
 from ._pulsar import LogPosition
 
-__all__ = ["AppliedRecord", "ManagerStats", "OnCorrupt", "ReplayProgress", "WriteResult"]
+__all__ = [
+    "STATE_MACHINE_OPTIONS",
+    "AppliedRecord",
+    "ManagerStats",
+    "OnCorrupt",
+    "ReplayProgress",
+    "WriteResult",
+]
 
 Op = TypeVar("Op")
 T = TypeVar("T")
@@ -76,3 +83,8 @@ class ManagerStats:
     snapshots_written: int = 0
     snapshot_loaded_position: int | None = None
     determinism_failures: int = 0
+
+
+# The options that define a manager's state machine: a recipe that brings its own machine
+# sets these itself and refuses them from its callers.
+STATE_MACHINE_OPTIONS = frozenset({"initial_state", "apply", "codec", "copy_state", "begin_record"})

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
+    retry_if_exception,
     retry_if_exception_type,
     stop_after_delay,
-    wait_random,
 )
 
 from ._admin import AdminClient
@@ -32,6 +33,7 @@ from ._errors import (
 from ._pending import PendingWrite, PendingWrites
 from ._pulsar import LogPosition, PulsarConnection, StateWriter
 from ._records import OutgoingRecord, RecordBuilder
+from ._retry import backoff, is_transient, retry_transient
 
 __all__ = ["ReadSide", "Writer"]
 
@@ -43,6 +45,8 @@ _PAUSE_AFTER_ERROR_S = 0.01
 _PAUSE_AFTER_BUG_S = 0.1
 # After releasing the writer to give other processes a turn.
 _TURN_PAUSE_S = 0.05
+# The longest one attempt to create the exclusive producer may take before it is retried.
+_ACQUIRE_ATTEMPT_S = 10.0
 
 
 class ReadSide(Protocol):
@@ -65,6 +69,13 @@ class ReadSide(Protocol):
     def apply_own(self, payload: bytes, record: Record, at: LogPosition) -> None: ...
 
     def halt_with(self, error: PulsarStateError, cause: BaseException | None = None) -> None: ...
+
+
+def _acquire_pause(state: RetryCallState) -> float:
+    failed = state.outcome.exception() if state.outcome is not None else None
+    if isinstance(failed, WriterBusyError):
+        return random.uniform(0.002, 0.03)  # contention: the holder releases within moments
+    return backoff(state)  # the broker is down or the topic moving: back off
 
 
 def _pause(state: RetryCallState) -> float:
@@ -109,8 +120,16 @@ class Writer:
                     await self.release()
                     raise
 
+    def _remember_failure(self, state: RetryCallState) -> None:
+        failed = state.outcome.exception() if state.outcome is not None else None
+        if failed is not None and not isinstance(failed, WriterBusyError):
+            self._pending.last_failure = failed
+            logger.debug("acquiring the writer of %s: %s; retrying", self._topic, failed)
+
     def _log_failure(self, state: RetryCallState) -> None:
         failed = state.outcome.exception() if state.outcome is not None else None
+        if failed is not None:
+            self._pending.last_failure = failed
         if isinstance(failed, PulsarStateError):
             logger.info("writer on %s: %s; retrying", self._topic, failed)
         else:
@@ -142,6 +161,8 @@ class Writer:
                 continue
             if self._producer is None:
                 await self._acquire()
+                if self._producer is None:
+                    continue  # every queued write expired while waiting for the writer
             await self._write_batch()
             self._after_batch()
 
@@ -154,9 +175,10 @@ class Writer:
         topic = str(self._topic)
         try:
             async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type((WriterBusyError, OperationTimeoutError)),
-                wait=wait_random(0.002, 0.03),
+                retry=retry_if_exception(is_transient),
+                wait=_acquire_pause,
                 stop=stop_after_delay(budget),
+                before_sleep=self._remember_failure,
                 reraise=True,
             ):
                 with attempt:
@@ -170,7 +192,11 @@ class Writer:
                         topic,
                         fencing=fencing,
                         send_timeout_s=min(settings.write_timeout_s, 30.0),
-                        timeout_s=max(1.0, budget - (loop.time() - started)),
+                        # Capped: a creation hanging through a broker restart (apache/pulsar
+                        # #10721) must not use up the whole budget in one attempt.
+                        timeout_s=max(
+                            1.0, min(_ACQUIRE_ATTEMPT_S, budget - (loop.time() - started))
+                        ),
                     )
         except WriterBusyError:
             waited = loop.time() - started
@@ -189,13 +215,20 @@ class Writer:
             pending.expire(loop.time())
             raise
         self._producer_since = loop.time()
+        self._pending.last_failure = None
         self._stats.writer_acquisitions += 1
         logger.debug("acquired the writer of %s", topic)
         # Exclusive from here on: catch up with everything appended before we got it.
         await self._bounded(self._catch_up(), "catching up after acquiring the writer")
 
     async def _catch_up(self) -> None:
-        await self._replica.wait_log(await self._admin.last_position(self._topic))
+        deadline = asyncio.get_running_loop().time() + self._settings.write_timeout_s
+        tail = await retry_transient(
+            lambda: self._admin.last_position(self._topic),
+            deadline=deadline,
+            what=f"capturing the tail of {self._topic}",
+        )
+        await self._replica.wait_log(tail)
 
     async def _bounded(self, awaitable: Awaitable[None], what: str) -> None:
         timeout = self._settings.write_timeout_s

@@ -2,21 +2,53 @@
 
 * :class:`PulsarMap` / :class:`SyncPulsarMap`: a replicated key-value map (the PIP's recipe),
   with versions, compare-and-set and watches.
+* :class:`Ownership` / :class:`SyncOwnership`: named resources held in read or write mode,
+  taken atomically, with leases decided from the log and fencing tokens;
+  :func:`fenced_transact` makes a PulsarMap write conditional on a token.
+* :class:`LeaderElection`, :class:`Membership` (on Ownership) and :class:`Counter` /
+  :class:`SyncCounter`.
 * :mod:`recipes.spark` (the ``spark`` extra): PySpark jobs sharing PulsarMaps. A layer above
   this one: import it explicitly; nothing here imports it.
 """
 
-from ._map_ops import MapEntry, MapEvent
+from ._lease_table import Lease, LeaseEvent, NotHeldError, StaleTokenError, UnknownResourceError
+from ._map_ops import MapEntry, MapEvent, MapVersion
 from ._map_sync import SyncMapWatch, SyncPulsarMap
 from ._map_watch import MapWatch, WatchOverflowError
+from ._ownership_sync import SyncOwnership
+from ._streams import EventStream
+from .counter import Counter, SyncCounter
+from .election import Leader, LeaderElection
+from .fencing import claim, fence_key, fenced_transact, sync_fenced_transact
 from .map import PulsarMap
+from .membership import MemberEvent, Membership
+from .ownership import Ownership
 
 __all__ = [
+    "Counter",
+    "EventStream",
+    "Leader",
+    "LeaderElection",
+    "Lease",
+    "LeaseEvent",
     "MapEntry",
     "MapEvent",
+    "MapVersion",
     "MapWatch",
+    "MemberEvent",
+    "Membership",
+    "NotHeldError",
+    "Ownership",
     "PulsarMap",
+    "StaleTokenError",
+    "SyncCounter",
     "SyncMapWatch",
+    "SyncOwnership",
     "SyncPulsarMap",
+    "UnknownResourceError",
     "WatchOverflowError",
+    "claim",
+    "fence_key",
+    "fenced_transact",
+    "sync_fenced_transact",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import io
+import struct
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ __all__ = [
     "MapEvent",
     "MapOp",
     "MapOpCodec",
+    "MapSnapshotCodec",
     "MapState",
+    "MapVersion",
     "detached",
     "key_order",
 ]
@@ -63,12 +66,52 @@ def detached(value: V) -> V:
     return value if type(value) in _IMMUTABLE_TYPES else copy.deepcopy(value)
 
 
+# Bits of a version below its position: the index of the op within its record. A record holds
+# at most a few million ops (it fits in one broker message), far below 2**32.
+_INDEX_BITS = 32
+
+
+class MapVersion(int):
+    """Identifies one change of the map: ``(position, index)`` packed in one ordered int.
+
+    ``position`` is the record that made the change (what ``wait_for`` takes) and ``index``
+    the change's place among that record's ops, so two writes group-committed into one record
+    never share a version. Every replica computes the same versions (they follow the log
+    alone); versions order like the changes in the log, and 0 means "absent". It is an int,
+    so it compares, hashes, pickles and fits a Spark ``LongType`` column.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, position: int, index: int) -> MapVersion:
+        if position < 0 or not 0 <= index < 1 << _INDEX_BITS:
+            raise ValueError(f"no version at position {position}, index {index}")
+        return cls((position << _INDEX_BITS) | index)
+
+    @property
+    def position(self) -> int:
+        """The position of the record that made this change."""
+        return int(self) >> _INDEX_BITS
+
+    @property
+    def index(self) -> int:
+        """The change's index among the ops of its record."""
+        return int(self) & ((1 << _INDEX_BITS) - 1)
+
+    def __repr__(self) -> str:
+        return f"MapVersion(position={self.position}, index={self.index})"
+
+
+NO_VERSION = MapVersion(0)
+
+
 @dataclass(frozen=True, slots=True)
 class MapEntry(Generic[V]):
-    """A bound value and its version: the position of the write that last changed the key."""
+    """A bound value and its version: the :class:`MapVersion` of the change that last set it."""
 
     value: V
-    version: int
+    version: MapVersion
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,16 +120,17 @@ class MapEvent(Generic[K, V]):
 
     ``kind`` is ``"put"`` (``key`` is bound to ``value``), ``"delete"`` (``key`` was removed;
     ``value`` is None) or ``"clear"`` (every key was removed; ``key`` and ``value`` are None).
-    ``position`` is the position of the write that made the change, and ``version`` the key's
-    version after it; both are equal for changes. Events with ``initial=True`` describe the
-    snapshot a watch starts from: ``version`` is when the key last changed and ``position`` the
-    snapshot's position.
+    ``position`` is the position of the write that made the change, and ``version`` the
+    change's own :class:`MapVersion` (unique, ``version.position == position``; what
+    :meth:`recipes.PulsarMap.version` then returns for the key). Events with ``initial=True``
+    describe the snapshot a watch starts from: ``version`` is the key's version and
+    ``position`` the snapshot's position.
     """
 
     kind: EventKind
     key: K | None
     value: V | None
-    version: int
+    version: MapVersion
     position: int
     initial: bool = False
 
@@ -234,29 +278,44 @@ class MapState(Generic[K, V]):
 
     Entries are never mutated, only replaced, so a shallow copy (:meth:`copy`) is a correct and
     cheap trial state for the writer. ``position`` is the position of the record being applied
-    (set by :meth:`begin`), which stamps versions. ``events`` collects the changes of the
-    current record for watches; it is None on trial copies and when nobody watches.
+    (set by :meth:`begin`) and ``op_index`` the number of its ops applied so far: together they
+    stamp versions, the same on the writer's trial state and on every replica. ``events``
+    collects the changes of the current record for watches; it is None on trial copies and
+    when nobody watches.
     """
 
-    __slots__ = ("_sorted", "entries", "events", "last_tag", "position")
+    __slots__ = ("_sorted", "entries", "events", "last_tag", "op_index", "position")
 
     def __init__(self) -> None:
         self.entries: dict[K, MapEntry[V]] = {}
         self.position = 0
+        self.op_index = 0
         self.last_tag: bytes | None = None
         self.events: list[MapEvent[K, V]] | None = None
         self._sorted: list[K] | None = None
+
+    def __eq__(self, other: object) -> bool:
+        # What replicas must agree on: the entries with their versions, and the position.
+        return (
+            isinstance(other, MapState)
+            and other.position == self.position
+            and other.entries == self.entries
+        )
+
+    __hash__ = None  # type: ignore[assignment]
 
     def copy(self) -> MapState[K, V]:
         trial: MapState[K, V] = MapState()
         trial.entries = dict(self.entries)
         trial.position = self.position
+        trial.op_index = self.op_index
         trial.last_tag = self.last_tag
         trial._sorted = self._sorted  # never mutated, only replaced
         return trial
 
     def begin(self, position: int) -> None:
         self.position = position
+        self.op_index = 0
         if self.events:
             self.events.clear()
 
@@ -264,23 +323,25 @@ class MapState(Generic[K, V]):
         events = self.events
         if op.tag is not None:
             self.last_tag = op.tag
+        version = MapVersion.of(self.position, self.op_index)
+        self.op_index += 1
         if op.kind == "PUT":
             key, value = cast(K, op.key), cast(V, op.value)  # set on every PUT
             if key not in self.entries:
                 self._sorted = None
-            self.entries[key] = MapEntry(value, self.position)
+            self.entries[key] = MapEntry(value, version)
             if events is not None:
-                events.append(MapEvent("put", key, value, self.position, self.position))
+                events.append(MapEvent("put", key, value, version, self.position))
         elif op.kind == "DELETE":
             if self.entries.pop(cast(K, op.key), None) is not None:
                 self._sorted = None
                 if events is not None:
-                    events.append(MapEvent("delete", op.key, None, self.position, self.position))
+                    events.append(MapEvent("delete", op.key, None, version, self.position))
         else:
             self.entries.clear()
             self._sorted = None
             if events is not None:
-                events.append(MapEvent("clear", None, None, self.position, self.position))
+                events.append(MapEvent("clear", None, None, version, self.position))
 
     # ---------------------------------------------------------------- ordered reads
 
@@ -304,3 +365,51 @@ class MapState(Generic[K, V]):
     def matching(self, accept: Callable[[K], bool]) -> list[tuple[K, MapEntry[V]]]:
         entries = self.entries
         return [(key, entries[key]) for key in self.sorted_keys() if accept(key)]
+
+
+_SNAPSHOT_MAGIC = b"PSMAP\x01"
+_SNAPSHOT_HEAD = struct.Struct(">qI")  # the state's position, the number of entries
+_SNAPSHOT_ENTRY = struct.Struct(">qII")  # version, key length, value length
+
+
+class MapSnapshotCodec(Generic[K, V]):
+    """A map's whole state as bytes, built from its key and value codecs: deterministic (the
+    entries sorted by key bytes), and carrying each key's version."""
+
+    def __init__(self, codecs: MapCodecs[K, V]) -> None:
+        self._codecs = codecs
+
+    def encode(self, state: MapState[K, V], /) -> bytes:
+        codecs = self._codecs
+        items = sorted((codecs.key_bytes(key), entry) for key, entry in state.entries.items())
+        parts = [_SNAPSHOT_MAGIC, _SNAPSHOT_HEAD.pack(state.position, len(items))]
+        for key_bytes, entry in items:
+            value_bytes = _encode(codecs.values, entry.value, "value")
+            parts += [
+                _SNAPSHOT_ENTRY.pack(int(entry.version), len(key_bytes), len(value_bytes)),
+                key_bytes,
+                value_bytes,
+            ]
+        return b"".join(parts)
+
+    def decode(self, data: bytes, /) -> MapState[K, V]:
+        if not data.startswith(_SNAPSHOT_MAGIC):
+            raise CodecError("not a PulsarMap snapshot")
+        state: MapState[K, V] = MapState()
+        try:
+            offset = len(_SNAPSHOT_MAGIC)
+            state.position, count = _SNAPSHOT_HEAD.unpack_from(data, offset)
+            offset += _SNAPSHOT_HEAD.size
+            for _ in range(count):
+                version, key_len, value_len = _SNAPSHOT_ENTRY.unpack_from(data, offset)
+                offset += _SNAPSHOT_ENTRY.size
+                key = self._codecs.decode_key(data[offset : offset + key_len])
+                offset += key_len
+                value = self._codecs.decode_value(data[offset : offset + value_len])
+                offset += value_len
+                state.entries[key] = MapEntry(value, MapVersion(version))
+        except struct.error as exc:
+            raise CodecError(f"damaged PulsarMap snapshot: {exc}") from exc
+        if offset != len(data):
+            raise CodecError("damaged PulsarMap snapshot: bytes left over")
+        return state

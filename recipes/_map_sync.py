@@ -7,10 +7,9 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar, cast, overload
 
-from pulsar_state import BlockingPortal, Codec, ManagerStats
-from pulsar_state._sync import SyncFacade, backstop
+from pulsar_state import BlockingPortal, Codec, ManagerStats, SyncFacade, backstop
 
-from ._map_ops import MapEntry, MapEvent
+from ._map_ops import MapEntry, MapEvent, MapVersion
 from ._map_watch import MapWatch
 from .map import PulsarMap
 
@@ -201,7 +200,7 @@ class SyncPulsarMap(SyncFacade[PulsarMap[K, V]], Generic[K, V]):
     def list_keys(self, *, latest: bool = False, timeout: float | None = None) -> list[K]:
         return self._read(lambda: self._map.list_keys(latest=latest, timeout=timeout), timeout)
 
-    def version(self, key: K, *, latest: bool = False, timeout: float | None = None) -> int:
+    def version(self, key: K, *, latest: bool = False, timeout: float | None = None) -> MapVersion:
         return self._read(lambda: self._map.version(key, latest=latest, timeout=timeout), timeout)
 
     def entry(
@@ -261,7 +260,7 @@ class SyncPulsarMap(SyncFacade[PulsarMap[K, V]], Generic[K, V]):
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, key: K, value: V, *, timeout: float | None = None) -> int:
+    def put(self, key: K, value: V, *, timeout: float | None = None) -> MapVersion:
         return self._write(lambda: self._map.put(key, value, timeout=timeout), timeout)
 
     def put_all(

@@ -51,6 +51,7 @@ from pulsar_state import (
 from pulsar_state._admin import AdminClient, TopicName, default_admin_url
 from pulsar_state._envelope import decode_record
 
+from ._map_ops import MapVersion
 from .map import PulsarMap
 
 __all__ = ["main"]
@@ -123,6 +124,11 @@ def _text(item: Any) -> str:
     return json.dumps(item, ensure_ascii=False, sort_keys=True)
 
 
+def _version(version: MapVersion) -> dict[str, int]:
+    """A key's version (what replace_version takes) and the position of the write behind it."""
+    return {"version": int(version), "position": version.position}
+
+
 def _dumps(document: Any) -> str:
     return json.dumps(document, ensure_ascii=False, sort_keys=True)
 
@@ -155,12 +161,13 @@ class Settings:
             raise BadInput("no topic: pass -t/--topic TOPIC or set PULSAR_STATE_TOPIC")
         return self.topic
 
-    def open_map(self) -> PulsarMap[Any, Any]:
+    def open_map(self, *, snapshots: bool = False) -> PulsarMap[Any, Any]:
         return PulsarMap(
             self.service_url,
             self.need_topic(),
             key_codec=_codec(self.key_codec),
             value_codec=self.values(),
+            snapshots=snapshots,
             admin_url=self.admin_url,
             on_progress=_show_progress,
             name="pulsar-state-cli",
@@ -335,7 +342,7 @@ def get(settings: Settings, key: str) -> None:
     if settings.json:
         _emit(
             _dumps(
-                {"key": _to_json(wanted), "value": _to_json(entry.value), "version": entry.version}
+                {"key": _to_json(wanted), "value": _to_json(entry.value), **_version(entry.version)}
             )
         )
     else:
@@ -357,14 +364,14 @@ def put(settings: Settings, key: str, value: str) -> None:
         ),
     )
 
-    async def work(state_map: PulsarMap[Any, Any]) -> int:
+    async def work(state_map: PulsarMap[Any, Any]) -> MapVersion:
         return await state_map.put(new_key, new_value, timeout=settings.timeout)
 
     version = _run(settings, lambda: _with_map(settings, work))
     if settings.json:
-        _emit(_dumps({"key": _to_json(new_key), "version": version}))
+        _emit(_dumps({"key": _to_json(new_key), **_version(version)}))
     else:
-        _emit(f"OK version {version}")
+        _emit(f"OK version {int(version)} (position {version.position})")
 
 
 @cli.command(name="del")
@@ -434,7 +441,9 @@ def dump(settings: Settings, prefix: str | None) -> None:
     entries, position = _run(settings, lambda: _with_map(settings, work))
     for key, entry in entries:
         _emit(
-            _dumps({"key": _to_json(key), "value": _to_json(entry.value), "version": entry.version})
+            _dumps(
+                {"key": _to_json(key), "value": _to_json(entry.value), **_version(entry.version)}
+            )
         )
     click.echo(f"dumped {len(entries)} entries at position {position}", err=True)
 
@@ -861,6 +870,22 @@ def snapshot_list(settings: Settings) -> None:
                 f"{m['snapshot_id']}\tposition {m['position']}\t{m['size']} bytes\t"
                 f"{m['created_at']}"
             )
+
+
+@snapshot.command(name="take")
+@pass_settings
+def snapshot_take(settings: Settings) -> None:
+    """Write a snapshot of a PulsarMap now (with the map's codecs); prints its position."""
+
+    async def work() -> int:
+        async with settings.open_map(snapshots=True) as state_map:
+            return await state_map.snapshot(timeout=settings.timeout)
+
+    position = _run(settings, work)
+    if settings.json:
+        _emit(_dumps({"position": position}))
+    else:
+        _emit(f"OK snapshot at position {position}")
 
 
 @snapshot.command(name="verify")

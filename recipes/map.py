@@ -35,9 +35,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any, ClassVar, Generic, TypeVar, cast, overload
 
 from pulsar_state import (
+    STATE_MACHINE_OPTIONS,
     ClosedError,
     Codec,
     ConfigurationError,
@@ -51,12 +52,15 @@ from pulsar_state import (
 
 from ._map_ops import (
     KEY_TYPES,
+    NO_VERSION,
     MapCodecs,
     MapEntry,
     MapEvent,
     MapOp,
     MapOpCodec,
+    MapSnapshotCodec,
     MapState,
+    MapVersion,
     detached,
 )
 from ._map_watch import MapWatch, WatchHub
@@ -69,7 +73,7 @@ D = TypeVar("D")
 T = TypeVar("T")
 
 # SharedStateManager options that PulsarMap sets itself.
-_RESERVED_OPTIONS = frozenset({"initial_state", "apply", "codec", "copy_state", "begin_record"})
+_RESERVED_OPTIONS = STATE_MACHINE_OPTIONS | {"snapshot_codec"}
 _CLEAR: MapOp[Any, Any] = MapOp("CLEAR")
 
 
@@ -100,6 +104,9 @@ class PulsarMap(Generic[K, V]):
             ``str``, ``bytes`` or ``int`` (so JSON keys are str or int).
         value_codec: encodes values (default :class:`~pulsar_state.JsonCodec`); for example
             :class:`~pulsar_state.AvroCodec` for schema-checked records.
+        snapshots: enable snapshots (:meth:`snapshot`, ``snapshot_every_records``...) with the
+            map's own deterministic codec, built from ``key_codec`` and ``value_codec``
+            (keys, values and versions); opening then loads the newest snapshot.
         **manager_options: passed to :class:`~pulsar_state.SharedStateManager` (``admin_url``,
             timeouts, ``name``, ...); not ``initial_state``/``apply``/``codec``/``copy_state``/
             ``begin_record``, which the map sets.
@@ -111,10 +118,16 @@ class PulsarMap(Generic[K, V]):
     each key type's ``<``: str by code point (the same as UTF-8 byte order), bytes by unsigned
     byte, ints numerically (mixed types: ints, then bytes, then str).
 
-    Versions: a key's version is the position of the write that last changed it (the
-    ``position`` of that write's record, 1 for the first record on the topic), the same on every
-    replica; an absent key has version 0. A watch reports every change (see :meth:`changes`).
+    Versions: a key's version is the :class:`~recipes.MapVersion` of the change that last set
+    it: the position of that write's record (1 for the first record on the topic) and the
+    change's index among the record's ops, packed in one int. It identifies that one change
+    (writes group-committed into one record never share a version), is the same on every
+    replica, and orders like the log; an absent key has version 0. A watch reports every
+    change with its version (see :meth:`changes`).
     """
+
+    #: SharedStateManager options the map sets itself (passing one raises ConfigurationError).
+    reserved_options: ClassVar[frozenset[str]] = _RESERVED_OPTIONS
 
     @overload
     def __init__(
@@ -124,6 +137,7 @@ class PulsarMap(Generic[K, V]):
         *,
         key_codec: None = None,
         value_codec: None = None,
+        snapshots: bool = False,
         **manager_options: Any,
     ) -> None: ...
 
@@ -135,6 +149,7 @@ class PulsarMap(Generic[K, V]):
         *,
         key_codec: None = None,
         value_codec: Codec[V],
+        snapshots: bool = False,
         **manager_options: Any,
     ) -> None: ...
 
@@ -146,6 +161,7 @@ class PulsarMap(Generic[K, V]):
         *,
         key_codec: Codec[K],
         value_codec: None = None,
+        snapshots: bool = False,
         **manager_options: Any,
     ) -> None: ...
 
@@ -157,6 +173,7 @@ class PulsarMap(Generic[K, V]):
         *,
         key_codec: Codec[K],
         value_codec: Codec[V],
+        snapshots: bool = False,
         **manager_options: Any,
     ) -> None: ...
 
@@ -167,6 +184,7 @@ class PulsarMap(Generic[K, V]):
         *,
         key_codec: Codec[Any] | None = None,
         value_codec: Codec[Any] | None = None,
+        snapshots: bool = False,
         **manager_options: Any,
     ) -> None:
         reserved = sorted(_RESERVED_OPTIONS & manager_options.keys())
@@ -188,6 +206,7 @@ class PulsarMap(Generic[K, V]):
             codec=MapOpCodec(self._codecs),
             copy_state=MapState.copy,  # shallow: entries are immutable
             begin_record=MapState.begin,
+            snapshot_codec=MapSnapshotCodec(self._codecs) if snapshots else None,
             **manager_options,
         )
         self._watches = WatchHub(state, self._manager)
@@ -201,6 +220,12 @@ class PulsarMap(Generic[K, V]):
         if self._closed:
             raise ClosedError(f"map on {self.topic} is closed")
         await self._manager.open(timeout=timeout)
+        # Opening from a snapshot replaces the state object: every view reads the live one
+        # (apply changes it in place from now on, so it stays the same object).
+        live = self._manager.read_local(lambda state: state)
+        if live is not self._state:
+            self._state = live
+            self._watches = WatchHub(live, self._manager)
         self._opened = True
 
     async def aclose(self, *, timeout: float = 10.0) -> None:
@@ -250,14 +275,25 @@ class PulsarMap(Generic[K, V]):
             error.__cause__ = halted
             raise error
 
+    async def snapshot(self, *, timeout: float | None = None) -> int:
+        """Write a snapshot of the map now (needs ``snapshots=True``); returns its position.
+
+        Replicas opened later load the newest snapshot and replay only what follows it.
+        """
+        self._check_usable()
+        return (await self._manager.snapshot(timeout=timeout)).position
+
     async def sync(self, *, timeout: float | None = None) -> int:
         """Catch up with the topic's tail as of now; returns the position reached."""
         self._check_usable()
         return await self._manager.sync(timeout=timeout)
 
     async def wait_for(self, position: int, *, timeout: float | None = None) -> None:
-        """Wait until this replica has applied ``position`` (a write's version elsewhere)."""
+        """Wait until this replica has applied ``position`` (a write's position elsewhere;
+        a :class:`~recipes.MapVersion` stands for its own ``position``)."""
         self._check_usable()
+        if isinstance(position, MapVersion):
+            position = position.position
         await self._manager.wait_for(position, timeout=timeout)
 
     # ------------------------------------------------------------------ reads (PIP)
@@ -313,12 +349,14 @@ class PulsarMap(Generic[K, V]):
         """All keys, in key order."""
         return await self._read(lambda state: list(state.sorted_keys()), latest, timeout)
 
-    async def version(self, key: K, *, latest: bool = False, timeout: float | None = None) -> int:
-        """The position of the write that last changed ``key``; 0 if it is absent."""
+    async def version(
+        self, key: K, *, latest: bool = False, timeout: float | None = None
+    ) -> MapVersion:
+        """The version of the change that last set ``key``; 0 if it is absent."""
 
-        def lookup(state: MapState[K, V]) -> int:
+        def lookup(state: MapState[K, V]) -> MapVersion:
             entry = state.entries.get(key)
-            return 0 if entry is None else entry.version
+            return NO_VERSION if entry is None else entry.version
 
         return await self._read(lookup, latest, timeout)
 
@@ -339,7 +377,7 @@ class PulsarMap(Generic[K, V]):
         """Every key with its value and version, in key order, from ONE consistent state.
 
         A list taken from one state of the map (never a mix of two), like :meth:`all` but with
-        each key's version (the position of the write that last changed it).
+        each key's version (the :class:`~recipes.MapVersion` of the change that last set it).
         """
 
         def run(state: MapState[K, V]) -> list[tuple[K, MapEntry[V]]]:
@@ -439,18 +477,27 @@ class PulsarMap(Generic[K, V]):
         self._check_usable()
         return (await self._manager.write_ops(ops, timeout=timeout)).position
 
-    async def put(self, key: K, value: V, *, timeout: float | None = None) -> int:
-        """Bind ``key`` to ``value``; returns the key's new version (the write's position).
+    async def put(self, key: K, value: V, *, timeout: float | None = None) -> MapVersion:
+        """Bind ``key`` to ``value``; returns the key's new version (unique to this change;
+        its ``position`` is the write's position).
 
         Always writes, even when the value is unchanged. ``value`` must not be None (use
         :meth:`delete`); a key or value the codecs reject raises CodecError, sending nothing.
         """
-        return await self._write_blind([self._codecs.put(key, value)], timeout)
+        op = self._codecs.put(key, value)
+        norm_key = cast(K, op.key)
+
+        def new_version(state: MapState[K, V]) -> MapVersion:
+            # Read right after this write's op was applied: the version it stamped.
+            return state.entries[norm_key].version
+
+        return (await self._write(lambda _state: [op], new_version, timeout)).value
 
     async def put_all(
         self, entries: Mapping[K, V] | Iterable[tuple[K, V]], *, timeout: float | None = None
     ) -> int:
-        """Bind several keys in ONE atomic write; returns its position (their new version).
+        """Bind several keys in ONE atomic write; returns its position (every key's new
+        version has that ``position``; each change has its own version).
 
         Takes a mapping or ``(key, value)`` pairs (a repeated key: the last pair wins). Every
         key and value is encoded before anything is sent. The write must fit in one record
@@ -559,8 +606,8 @@ class PulsarMap(Generic[K, V]):
         that error and nothing is written. The changes must fit in one record
         (``max_record_bytes``, else RecordTooLargeError; nothing is written).
 
-        Returns the write's position (the new version of every key it changed), or None when
-        the final run of ``fn`` asked for no change (then the map was not changed).
+        Returns the write's position (the ``position`` of every changed key's new version), or
+        None when the final run of ``fn`` asked for no change (then the map was not changed).
         """
         codecs = self._codecs
         tag = _new_tag()
@@ -592,7 +639,9 @@ class PulsarMap(Generic[K, V]):
         equals ``expected``. Returns whether it did (True: this call's write changed the key).
 
         ``expected=None`` means "only if absent"; ``value=None`` deletes the key. Values are
-        compared after normalisation through the codec, with ``==``.
+        compared after normalisation through the codec, with ``==``. True means the key
+        changed: ``replace(key, None, None)`` (delete if absent) changes nothing and returns
+        False, as does ``replace_version(key, 0, None)``.
         """
         norm_key, key_bytes = self._codecs.key(key)
         wanted = None if expected is None else self._codecs.value(expected)[0]
@@ -601,6 +650,8 @@ class PulsarMap(Generic[K, V]):
 
         def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
             entry = state.entries.get(norm_key)
+            if entry is None and value is None:
+                return []  # deleting an absent key changes nothing: not a successful swap
             return [op] if (None if entry is None else entry.value) == wanted else []
 
         return (await self._write(generator, lambda s: s.last_tag == tag, timeout)).value
@@ -616,8 +667,9 @@ class PulsarMap(Generic[K, V]):
         """Compare-and-set on the version: bind ``key`` to ``value`` only if its version is
         ``expected_version`` (0 or None: only if absent). Returns whether it did.
 
-        ``value=None`` deletes the key. The new version is this write's position; read it
-        with :meth:`version`.
+        ``value=None`` deletes the key. The new version is this change's own; read it with
+        :meth:`version`. A version identifies one change, so a version read before another
+        write to the key never matches after it, even when both writes shared one record.
         """
         norm_key, key_bytes = self._codecs.key(key)
         wanted = expected_version or 0
@@ -626,6 +678,8 @@ class PulsarMap(Generic[K, V]):
 
         def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
             entry = state.entries.get(norm_key)
+            if entry is None and value is None:
+                return []  # deleting an absent key changes nothing: not a successful swap
             return [op] if (0 if entry is None else entry.version) == wanted else []
 
         return (await self._write(generator, lambda s: s.last_tag == tag, timeout)).value

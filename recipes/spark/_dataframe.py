@@ -32,8 +32,8 @@ def map_dataframe(
     The snapshot is every entry of one state of the map (never a mix of two); with
     ``latest=True`` (default) it includes every write completed before the call, in any
     process. Columns: ``key`` (string, long or binary, from the keys), then the value, then
-    ``version`` (the position of the write that last changed the key; omitted when
-    ``with_version=False``). Rows are in key order.
+    ``version`` (the key's :class:`~recipes.MapVersion` as a long: the change that last set
+    it; omitted when ``with_version=False``). Rows are in key order.
 
     The value, by ``value_schema``:
 
@@ -110,7 +110,7 @@ def map_dataframe(
     if with_version:
         fields.append(StructField("version", LongType(), False))
         for row, (_key, _value, version) in zip(out, rows, strict=True):
-            row.append(version)
+            row.append(int(version))  # a plain int: Spark checks the exact type
     return spark.createDataFrame(out, StructType(fields))
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pulsar_state import BlockingPortal, ClosedError, Codec, ConfigurationError
-from recipes import SyncPulsarMap
+from recipes import PulsarMap, SyncPulsarMap
 
 __all__ = ["MapSpec", "close_maps", "get_map"]
 
@@ -25,9 +25,7 @@ __all__ = ["MapSpec", "close_maps", "get_map"]
 logger = logging.getLogger("pulsar_state.spark")
 
 # Options a spec cannot carry: the map sets the first ones, and the cache supplies the portal.
-_RESERVED_OPTIONS = frozenset(
-    {"initial_state", "apply", "codec", "copy_state", "begin_record", "portal", "admin_url"}
-)
+_RESERVED_OPTIONS = PulsarMap.reserved_options | {"portal", "admin_url"}
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -10,15 +11,22 @@ import struct
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pulsar_state import JsonCodec, ReplayProgress, SnapshotManifest
+from pulsar_state import (
+    CodecError,
+    JsonCodec,
+    ReplayProgress,
+    SharedStateManager,
+    SnapshotManifest,
+)
 from pulsar_state._envelope import encode_manifest
 from tests.core.helpers import Counter, apply_counter, counter_manager, incr, raw_producer
-from tests.support.broker import REPO, Broker
+from tests.support.broker import REPO, Broker, admin_request
 
 json_state = {"snapshot_codec": JsonCodec()}
 
@@ -264,3 +272,105 @@ async def test_process_killed_during_snapshot_loses_nothing(
         assert state["count"] == 2
         assert state["seen"] == {"first": 1, "second": 1}
         assert all(len(state[f"pad{i}"]) == 900_000 for i in range(20))
+
+
+def delete_topic(admin_url: str, topic: str) -> None:
+    """Delete the state topic (not its snapshot topics), as an operator would."""
+    local = topic.removeprefix("persistent://")
+    admin_request(admin_url, "DELETE", f"/admin/v2/persistent/{local}?force=true")
+
+
+@pytest.mark.parametrize("new_records", [3, 50])
+async def test_snapshot_of_a_deleted_topic_is_not_loaded_into_its_successor(
+    service_url: str,
+    admin_url: str,
+    topic: str,
+    new_records: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Issue 11 (c): fewer records than the old snapshot covers (3) or more (50).
+    async with counter_manager(
+        service_url, topic, admin_url, max_writes_per_record=1, **json_state
+    ) as old:
+        await write_increments(old, 20, "old")
+        await old.snapshot()
+    delete_topic(admin_url, topic)
+    async with counter_manager(service_url, topic, admin_url, max_writes_per_record=1) as new:
+        await write_increments(new, new_records, "new")
+        expected = await new.read(lambda s: s, latest=True)
+    with caplog.at_level(logging.WARNING, logger="pulsar_state"):
+        async with (
+            counter_manager(service_url, topic, admin_url, **json_state) as with_snapshots,
+            counter_manager(
+                service_url, topic, admin_url, load_snapshot=False, **json_state
+            ) as verifying,
+        ):
+            assert with_snapshots.stats.snapshot_loaded_position is None
+            for replica in (with_snapshots, verifying):
+                assert replica.position == new_records
+                assert await replica.read(lambda s: s) == expected
+                assert not any(key.startswith("old") for key in expected["seen"])
+            assert verifying.stats.determinism_failures == 0
+            # A snapshot of the new history is bound to it and loads again.
+            await with_snapshots.snapshot()
+    assert "another history of the topic" in caplog.text
+    async with counter_manager(service_url, topic, admin_url, **json_state) as reopened:
+        assert reopened.stats.snapshot_loaded_position == new_records
+        assert await reopened.read(lambda s: s) == expected
+
+
+async def test_manifest_without_fingerprint_is_checked_on_its_covered_position(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A manifest of an older version (no incarnation fields) still loads on its own topic.
+    async with counter_manager(
+        service_url, topic, admin_url, max_writes_per_record=1, **json_state
+    ) as writer:
+        await write_increments(writer, 10, "a")
+        manifest = await writer.snapshot()
+        expected = await writer.read(lambda s: s)
+    legacy = dataclasses.replace(
+        manifest,
+        snapshot_id=uuid.uuid4().hex,
+        log_first_ledger=None,
+        log_first_entry=None,
+        log_first_record=None,
+        log_covered_record=None,
+    )
+    async with raw_producer(service_url, f"{topic}-snapshot-index") as producer:
+        await producer.send(encode_manifest(legacy))
+    async with counter_manager(service_url, topic, admin_url, **json_state) as reopened:
+        assert reopened.stats.snapshot_loaded_position == 10
+        assert await reopened.read(lambda s: s) == expected
+    # Its covered position is checked: on a new incarnation of the topic it is not loaded.
+    delete_topic(admin_url, topic)
+    async with counter_manager(service_url, topic, admin_url) as new:
+        await write_increments(new, 3, "new")
+    async with counter_manager(service_url, topic, admin_url, **json_state) as reopened:
+        assert reopened.stats.snapshot_loaded_position is None
+        assert await reopened.read(lambda s: s["count"]) == 3
+
+
+async def test_a_lossy_snapshot_codec_is_refused_at_snapshot_time(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Issue 11 (g): JSON turns the int key into "1"; a snapshot would load a different state.
+    def apply_set(state: dict[Any, Any], op: dict[str, Any]) -> None:
+        state[int(op["key"])] = op["value"]
+
+    async with SharedStateManager(
+        service_url,
+        topic,
+        admin_url=admin_url,
+        initial_state=dict,
+        apply=apply_set,
+        snapshot_codec=JsonCodec(),
+        write_timeout_s=30.0,
+        open_timeout_s=60.0,
+    ) as manager:
+        await manager.write_ops([{"key": "1", "value": "one"}])
+        with pytest.raises(CodecError, match="lossy"):
+            await manager.snapshot()
+        assert manager.stats.snapshots_written == 0
+        await manager.write_ops([{"key": "2", "value": "two"}])  # still usable
+        assert await manager.read(lambda s: s) == {1: "one", 2: "two"}

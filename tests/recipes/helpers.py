@@ -64,7 +64,9 @@ class Worker:
 
 
 @contextlib.asynccontextmanager
-async def worker(tmp_path: Path, *args: str) -> AsyncIterator[Worker]:
+async def worker(
+    tmp_path: Path, *args: str, module: str = "tests.recipes.map_worker"
+) -> AsyncIterator[Worker]:
     """Start a worker process; it is killed if the test leaves before it finished."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     stderr_path = tmp_path / f"worker-{os.urandom(4).hex()}.log"
@@ -72,7 +74,7 @@ async def worker(tmp_path: Path, *args: str) -> AsyncIterator[Worker]:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "tests.recipes.map_worker",
+            module,
             *args,
             cwd=REPO,
             env=env,
@@ -86,3 +88,15 @@ async def worker(tmp_path: Path, *args: str) -> AsyncIterator[Worker]:
         if process.returncode is None:
             process.kill()
             await asyncio.wait_for(process.wait(), WAIT_S)
+
+
+def recipe_options(admin_url: str, **options: Any) -> dict[str, Any]:
+    """Manager options with the tests' timeouts (for any recipe)."""
+    defaults: dict[str, Any] = {
+        "admin_url": admin_url,
+        "write_timeout_s": WAIT_S,
+        "read_timeout_s": WAIT_S,
+        "open_timeout_s": WAIT_S,
+    }
+    defaults.update(options)
+    return defaults

@@ -94,8 +94,9 @@ async def test_update_multiple_is_one_atomic_write(
         assert m.stats.records_sent == before + 1
         assert visited == ["acct:a", "acct:b", "acct:c"]  # key order
         assert m.items() == [("acct:a", 5), ("acct:b", 10), ("other", 1)]
-        assert await m.version("acct:a") == await m.version("acct:b") == position
-        assert await m.version("other") < position
+        assert (await m.version("acct:a")).position == position
+        assert (await m.version("acct:b")).position == position
+        assert (await m.version("other")).position < position
 
 
 async def test_replace_is_compare_and_set_on_the_value(
@@ -140,7 +141,7 @@ async def test_put_all_is_atomic_and_samza_range_and_all_are_ordered(
         assert await b.range(None, "b") == [("a", 10)]
         assert await b.range("c", None) == [("c", 3), ("d", 4)]
         assert await b.range("x", "y") == []
-        assert {await b.version(k) for k in "abcd"} == {position}
+        assert {(await b.version(k)).position for k in "abcd"} == {position}
         with pytest.raises(ConfigurationError):
             await b.range(1.5, None)
 
@@ -195,7 +196,7 @@ async def test_local_view_has_no_io_and_hands_out_copies(
         assert m.get_local("a") == {"n": 1}
 
 
-async def test_versions_are_the_positions_of_the_writes(
+async def test_versions_are_the_changes_that_set_the_keys(
     service_url: str, admin_url: str, topic: str
 ) -> None:
     async with (
@@ -204,18 +205,41 @@ async def test_versions_are_the_positions_of_the_writes(
     ):
         assert await a.version("k") == 0
         # Concurrent puts from two replicas, group-committed: each key's version is exactly
-        # the position its own write returned, on both replicas.
+        # the version its own write returned, on both replicas.
         keys = [f"k{i}" for i in range(20)]
-        positions = await asyncio.gather(
+        versions = await asyncio.gather(
             *((a if i % 2 else b).put(key, i) for i, key in enumerate(keys))
         )
+        assert len(set(versions)) == len(versions)
         await a.sync()
         await b.sync()
-        for key, position in zip(keys, positions, strict=True):
-            assert await a.version(key) == position
-            assert await b.version(key) == position
-            assert await b.entry(key) == MapEntry(keys.index(key), position)
+        for key, version in zip(keys, versions, strict=True):
+            assert await a.version(key) == version
+            assert await b.version(key) == version
+            assert await b.entry(key) == MapEntry(keys.index(key), version)
+            assert version.position <= a.position
         assert await a.entry("absent") is None
+
+
+async def test_group_committed_writes_to_one_key_have_distinct_versions(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        new_map(service_url, topic, admin_url) as a,
+        new_map(service_url, topic, admin_url) as b,
+    ):
+        # Issue 11 (e): both puts land in one record; each must get its own version, and a
+        # compare-and-set on x's version must fail once y has overwritten it.
+        for _ in range(5):
+            x, y = await asyncio.gather(a.put("k", "x"), a.put("k", "y"))
+            assert x != y
+            assert x.position == y.position  # group-committed: one record
+            assert x < y  # ordered like the log
+            assert await a.version("k") == y
+            assert await b.version("k", latest=True) == y  # the same on every replica
+            assert await a.replace_version("k", x, "lost update") is False
+            assert await a.get("k") == "y"
+            assert await a.replace_version("k", y, "next") is True
 
 
 async def test_entries_are_every_key_with_its_version_from_one_state(
@@ -228,11 +252,13 @@ async def test_entries_are_every_key_with_its_version_from_one_state(
         assert await b.entries(latest=True) == []
         first = await a.put_all({"b": {"n": 1}, "a": 1})
         second = await a.put("c", "x")
-        assert await b.entries(latest=True) == [
-            ("a", MapEntry(1, first)),
-            ("b", MapEntry({"n": 1}, first)),
-            ("c", MapEntry("x", second)),
+        found = await b.entries(latest=True)
+        assert [(key, entry.value, entry.version.position) for key, entry in found] == [
+            ("a", 1, first),
+            ("b", {"n": 1}, first),
+            ("c", "x", second.position),
         ]
+        assert found[2][1].version == second
         local = await a.entries()  # latest=False: this replica, no I/O
         assert [key for key, _ in local] == ["a", "b", "c"]
         local[1][1].value["n"] = 99  # a copy: the map keeps its own value
@@ -253,7 +279,7 @@ async def test_entries_are_every_key_with_its_version_from_one_state(
                 found = [entry for key, entry in entries if key in keys]
                 if found:
                     assert len(found) == len(keys)
-                    assert len({(e.value, e.version) for e in found}) == 1, found
+                    assert len({(e.value, e.version.position) for e in found}) == 1, found
                 reads += 1
             return reads
 
@@ -300,3 +326,44 @@ async def test_lifecycle_errors(service_url: str, admin_url: str, topic: str) ->
         await m.put("a", 2)
     with pytest.raises(ClosedError):
         "a" in m  # noqa: B015
+
+
+async def test_map_opened_from_a_snapshot_reads_the_loaded_state_everywhere(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Issue 11 (f): snapshots with the map's own codec; every view reads the loaded state.
+    async with new_map(service_url, topic, admin_url, snapshots=True) as writer:
+        await writer.put_all({"a": 1, "b": {"n": 2}})
+        await writer.put("c", [3])
+        assert await writer.snapshot() == writer.position
+        await writer.put("d", 4)  # after the snapshot: replayed
+        expected = await writer.entries()
+    async with new_map(service_url, topic, admin_url, snapshots=True) as m:
+        assert m.stats.snapshot_loaded_position == 2
+        assert await m.entries() == expected
+        assert len(m) == 4
+        assert m.keys() == ["a", "b", "c", "d"]
+        assert m.get_local("b") == {"n": 2}
+        assert "a" in m
+        async with m.changes() as watch:
+            first = await watch.next(timeout=WAIT_S)
+            assert first is not None
+            assert (first.key, first.value) == ("a", 1)
+            await m.put("e", 5)
+            assert len(m) == 5
+    with pytest.raises(ConfigurationError, match="snapshot_codec"):
+        PulsarMap(service_url, topic, admin_url=admin_url, snapshot_codec=JsonCodec())
+
+
+async def test_swapping_absent_for_absent_is_not_a_change(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Issue 11 (h): delete-if-absent on an absent key changed nothing, yet returned True.
+    async with new_map(service_url, topic, admin_url) as m:
+        assert await m.replace("nokey", None, None) is False
+        assert await m.replace_version("nokey", 0, None) is False
+        assert await m.replace_version("nokey", None, None) is False
+        assert "nokey" not in m
+        await m.put("k", 1)
+        assert await m.replace("k", 1, None) is True  # a real delete still succeeds
+        assert "k" not in m

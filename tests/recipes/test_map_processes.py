@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from recipes import PulsarMap
+from recipes import MapVersion, PulsarMap
 from tests.recipes.helpers import Worker, new_map, worker
 
 pytestmark = pytest.mark.slow
@@ -26,12 +26,13 @@ async def test_two_processes_read_and_write_one_map(
     service_url: str, admin_url: str, topic: str, tmp_path: Path
 ) -> None:
     async with new_map(service_url, topic, admin_url) as here:
-        position = await here.put("from-test", 1)
+        position = (await here.put("from-test", 1)).position
         async with worker(tmp_path, "script", service_url, admin_url, topic) as other:
             assert (await other.read())["ready"] >= position  # it replayed our write at open
             assert await call(other, "get", "from-test") == 1
-            their_position = await call(other, "put", "from-worker", {"x": 2})
-            await here.wait_for(their_position, timeout=60)
+            # A version sent as a plain int: MapVersion(...) gives its position back.
+            their_version = MapVersion(await call(other, "put", "from-worker", {"x": 2}))
+            await here.wait_for(their_version.position, timeout=60)
             assert here.get_local("from-worker") == {"x": 2}
             # Compare-and-set across processes: the worker swaps first, ours then fails.
             assert await call(other, "replace", "from-test", 1, 2) is True
@@ -163,7 +164,7 @@ async def test_watcher_in_another_process_sees_every_change_in_order(
                 key = rng.choice(keys)
                 choice = rng.random()
                 if choice < 0.35:
-                    position = await m.put(key, step)
+                    position = (await m.put(key, step)).position
                     expected.append(["put", key, step, position])
                 elif choice < 0.45:
                     pairs = {k: step for k in rng.sample(keys, 2)}
@@ -187,7 +188,7 @@ async def test_watcher_in_another_process_sees_every_change_in_order(
                 else:
                     position = await m.clear()
                     expected.append(["clear", None, None, position])
-            done = await m.put("__done__", True)
+            done = (await m.put("__done__", True)).position
             expected.append(["put", "__done__", True, done])
 
             changes = []

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pulsar_state import BlockingPortal, ClosedError, CodecError, OperationTimeoutError
-from recipes import MapEntry, MapEvent, PulsarMap, SyncPulsarMap
+from recipes import MapEntry, MapEvent, MapVersion, PulsarMap, SyncPulsarMap
 
 WAIT_S = 60.0
 
@@ -77,8 +77,8 @@ def test_sync_entries_forwards(service_url: str, admin_url: str, topic: str) -> 
     ):
         position = a.put_all({"y": 2, "x": 1})
         assert b.entries(latest=True, timeout=WAIT_S) == [
-            ("x", MapEntry(1, position)),
-            ("y", MapEntry(2, position)),
+            ("x", MapEntry(1, MapVersion.of(position, 1))),  # put second in the write
+            ("y", MapEntry(2, MapVersion.of(position, 0))),
         ]
         assert a.entries() == b.entries()
 
@@ -99,8 +99,11 @@ def test_sync_watch_and_close_from_another_thread(
                 position = writer.put("a", 2)
                 first = watch.next(timeout=WAIT_S)
                 second = watch.next(timeout=WAIT_S)
-                assert first == MapEvent("put", "a", 1, 1, watch.start_position, initial=True)
-                assert second == MapEvent("put", "a", 2, position, position)
+                first_version = MapVersion.of(1, 0)
+                assert first == MapEvent(
+                    "put", "a", 1, first_version, watch.start_position, initial=True
+                )
+                assert second == MapEvent("put", "a", 2, position, position.position)
                 with pytest.raises(OperationTimeoutError):
                     watch.next(timeout=0.2)
 

@@ -41,7 +41,7 @@ async def test_snapshot_then_every_change_in_log_order(
         await watcher.sync()
         async with watcher.changes() as watch:
             assert watch.start_position == watcher.position
-            p1 = await writer.put("c", 3)
+            p1 = (await writer.put("c", 3)).position
             p2 = await writer.put_all({"a": 10, "z": 26})
             assert await writer.delete("b")
             p3 = writer.position
@@ -49,7 +49,7 @@ async def test_snapshot_then_every_change_in_log_order(
             await writer.replace("a", "wrong", 0)  # fails: no event
             p4 = await writer.update_multiple(lambda k: True, lambda k, v: v + 1)
             p5 = await writer.clear()
-            p6 = await writer.put("after", "clear")
+            p6 = (await writer.put("after", "clear")).position
             events = await drain(watch, 2 + 7 + 1 + 1)
             assert [e.initial for e in events] == [True, True] + [False] * 9
             assert brief(events) == [
@@ -65,7 +65,9 @@ async def test_snapshot_then_every_change_in_log_order(
                 ("clear", None, None, p5),
                 ("put", "after", "clear", p6),
             ]
-            assert all(e.version == e.position for e in events[2:])
+            assert all(e.version.position == e.position for e in events[2:])
+            changes = [e.version for e in events[2:]]
+            assert changes == sorted(set(changes))  # one version per change, in log order
             with pytest.raises(OperationTimeoutError):
                 await watch.next(timeout=0.2)  # nothing more, and the watch stays usable
         assert await watch.next(timeout=WAIT_S) is None  # closed: the stream has ended
@@ -77,8 +79,8 @@ async def test_key_and_prefix_watches(service_url: str, admin_url: str, topic: s
         by_key = m.changes(key="user:2")
         by_prefix = m.changes(prefix="user:", snapshot=False)
         await m.put("job:2", "y")
-        p_put = await m.put("user:2", "bo")
-        p_new = await m.put("user:3", "cy")
+        p_put = (await m.put("user:2", "bo")).position
+        p_new = (await m.put("user:3", "cy")).position
         p_clear = await m.clear()
         assert brief(await drain(by_key, 3)) == [
             ("put", "user:2", "bob", by_key.start_position),

@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pulsar_state import BlockingPortal, ClosedError
+from pulsar_state import (
+    BlockingPortal,
+    ClosedError,
+    ConfigurationError,
+    OperationTimeoutError,
+    SharedStateManager,
+)
 from pulsar_state._sync import SyncFacade, backstop
 
 
@@ -61,3 +67,22 @@ def test_facade_opens_and_closes_through_with_and_stops_only_its_own_portal() ->
         assert shared.call_sync(lambda: 42) == 42  # given, so left running
     finally:
         shared.stop()
+
+
+def test_an_async_timeout_error_comes_through_unchanged() -> None:
+    portal = BlockingPortal()
+
+    async def times_out() -> None:
+        raise OperationTimeoutError("could not catch up with the topic in 1s")
+
+    try:
+        with pytest.raises(OperationTimeoutError, match="could not catch up"):
+            portal.call(times_out, timeout=5.0)
+    finally:
+        portal.stop()
+
+
+def test_a_borrowed_client_needs_admin_url() -> None:
+    client = object()  # any non-URL is a borrowed client; the check comes before any I/O
+    with pytest.raises(ConfigurationError, match="admin_url"):
+        SharedStateManager(client, "t", initial_state=dict, apply=lambda s, op: None)

@@ -1,0 +1,148 @@
+"""The blocking Ownership: every call forwarded through a BlockingPortal to the async one."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+from pulsar_state import BlockingPortal, ClosedError, backstop
+
+from ._lease_table import Lease, Mode, NotHeldError
+from .ownership import Ownership
+
+__all__ = ["SyncOwnership"]
+
+T = TypeVar("T")
+
+# Added to a call's own timeout as the portal's backstop against a stuck loop.
+
+
+class SyncOwnership:
+    """The blocking twin of :class:`~recipes.Ownership` (same arguments plus ``portal``)::
+
+    with SyncOwnership("pulsar://127.0.0.1:6650", "locks") as owners:
+        with owners.hold(["a", "b"], ttl=10) as lease:
+            print(lease.token)
+    """
+
+    def __init__(
+        self,
+        pulsar: Any,
+        topic: str,
+        *,
+        owner: str | None = None,
+        resources: Iterable[str] | None = None,
+        reap: bool = True,
+        portal: BlockingPortal | None = None,
+        **manager_options: Any,
+    ) -> None:
+        self._ownership = Ownership(
+            pulsar, topic, owner=owner, resources=resources, reap=reap, **manager_options
+        )
+        self._owns_portal = portal is None
+        self._portal = portal if portal is not None else BlockingPortal()
+
+    @property
+    def async_ownership(self) -> Ownership:
+        """The async Ownership underneath (use it only from the portal's loop)."""
+        return self._ownership
+
+    @property
+    def owner(self) -> str:
+        return self._ownership.owner
+
+    @property
+    def position(self) -> int:
+        return self._ownership.position
+
+    def _call(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+        return self._portal.call(fn, timeout=backstop(timeout))
+
+    def open(self, *, timeout: float | None = None) -> SyncOwnership:
+        self._portal.call(lambda: self._ownership.open(timeout=timeout))
+        return self
+
+    def close(self) -> None:
+        try:
+            self._portal.call(self._ownership.aclose, timeout=30.0)
+        finally:
+            if self._owns_portal:
+                self._portal.stop()
+
+    def __enter__(self) -> SyncOwnership:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def acquire(
+        self,
+        names: str | Iterable[str],
+        *,
+        mode: Mode = "write",
+        ttl: float = 10.0,
+        timeout: float | None = None,
+        keep_alive: bool = True,
+    ) -> Lease:
+        """As :meth:`Ownership.acquire`."""
+        return self._call(
+            lambda: self._ownership.acquire(
+                names, mode=mode, ttl=ttl, timeout=timeout, keep_alive=keep_alive
+            ),
+            timeout,
+        )
+
+    def try_acquire(
+        self,
+        names: str | Iterable[str],
+        *,
+        mode: Mode = "write",
+        ttl: float = 10.0,
+        timeout: float | None = None,
+        keep_alive: bool = True,
+    ) -> Lease | None:
+        """As :meth:`Ownership.try_acquire`."""
+        return self._call(
+            lambda: self._ownership.try_acquire(
+                names, mode=mode, ttl=ttl, timeout=timeout, keep_alive=keep_alive
+            ),
+            timeout,
+        )
+
+    def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+        return self._call(lambda: self._ownership.renew(lease, ttl=ttl), None)
+
+    def release(self, lease: Lease, *, timeout: float | None = None) -> None:
+        self._call(lambda: self._ownership.release(lease, timeout=timeout), timeout)
+
+    @contextlib.contextmanager
+    def hold(
+        self,
+        names: str | Iterable[str],
+        *,
+        mode: Mode = "write",
+        ttl: float = 10.0,
+        timeout: float | None = None,
+    ) -> Iterator[Lease]:
+        """As :meth:`Ownership.hold`."""
+        lease = self.acquire(names, mode=mode, ttl=ttl, timeout=timeout)
+        try:
+            yield lease
+        except BaseException:
+            with contextlib.suppress(NotHeldError, ClosedError):
+                self.release(lease)
+            raise
+        self.release(lease)
+
+    def holders(self, name: str, *, latest: bool = False) -> list[Lease]:
+        return self._call(lambda: self._ownership.holders(name, latest=latest), None)
+
+    def leases(self, *, latest: bool = False) -> list[Lease]:
+        return self._call(lambda: self._ownership.leases(latest=latest), None)
+
+    def is_held(self, lease: Lease, *, margin: float = 0.0) -> bool:
+        async def run() -> bool:
+            return self._ownership.is_held(lease, margin=margin)
+
+        return self._portal.call(run, timeout=30.0)

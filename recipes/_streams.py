@@ -1,0 +1,104 @@
+"""A bounded async stream of events, fed from a manager listener (election, membership)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
+
+from pulsar_state import ClosedError, OperationTimeoutError, PulsarStateError
+
+from ._map_watch import WatchOverflowError
+
+__all__ = ["EventStream"]
+
+T = TypeVar("T")
+
+
+class EventStream(Generic[T]):
+    """Items in log order: ``async for item in stream`` or ``await stream.next(timeout=...)``.
+
+    At most ``max_queue`` items wait for the consumer; one further behind gets
+    :class:`~recipes.WatchOverflowError` (after the items already queued are dropped) and the
+    stream stops: open a new one to start again from the current state. If the recipe closes
+    or its replica halts, the queued items are delivered, then that error is raised.
+    ``close()`` (or leaving ``async with``) ends ``async for``; ``next()`` then raises ClosedError.
+    """
+
+    def __init__(self, initial: Iterable[T], *, max_queue: int) -> None:
+        self._queue: deque[T] = deque(initial)
+        self._max_queue = max_queue
+        self._wake = asyncio.Event()
+        self._error: PulsarStateError | None = None
+        self._closed = False
+        self.unsubscribe: Callable[[], None] = lambda: None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def push(self, items: list[T]) -> None:
+        """Queue ``items`` (called from a listener, on the event loop)."""
+        if self._closed or self._error is not None or not items:
+            return
+        if len(self._queue) + len(items) > self._max_queue:
+            self._queue.clear()
+            self.fail(
+                WatchOverflowError(
+                    f"the consumer fell more than {self._max_queue} events behind; open a new "
+                    "stream to start again from the current state",
+                    max_queue=self._max_queue,
+                    position=-1,
+                )
+            )
+            return
+        self._queue.extend(items)
+        self._wake.set()
+
+    def fail(self, error: PulsarStateError) -> None:
+        if self._error is None:
+            self._error = error
+        self.unsubscribe()
+        self._wake.set()
+
+    async def next(self, *, timeout: float | None = None) -> T:
+        """The next item; OperationTimeoutError after ``timeout`` s; ClosedError once closed."""
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    if self._closed:
+                        raise ClosedError("the stream is closed")
+                    if self._queue:
+                        return self._queue.popleft()
+                    if self._error is not None:
+                        raise self._error.with_traceback(None)
+                    self._wake.clear()
+                    await self._wake.wait()
+        except TimeoutError as exc:
+            raise OperationTimeoutError(f"no event came within {timeout}s") from exc
+
+    def __aiter__(self) -> EventStream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            return await self.next()
+        except ClosedError:
+            if self._closed:  # closed by close(), not by the recipe closing
+                raise StopAsyncIteration from None
+            raise
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.clear()
+        self.unsubscribe()
+        self._wake.set()
+
+    async def __aenter__(self) -> EventStream[T]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,151 @@
+"""LeaderElection: one leader at a time, chosen through an Ownership table on one topic.
+
+:Status: Experimental. Built on :class:`~recipes.Ownership` (public API only).
+
+Candidates ``campaign()``: each takes the resource ``"leader"`` in write mode, so one holds it
+and the others wait in FIFO order. The leader's lease is renewed by writing every ``ttl / 3``
+seconds; if the leader dies or freezes, its lease expires about ``ttl`` after its last renewal
+(any open replica appends the expiry) and the next candidate is granted in the same record.
+Every leader has a fencing token (its lease's), larger than every earlier leader's: pass
+``election.lease`` to :func:`~recipes.fenced_transact` so a deposed leader cannot write.
+
+``leaders()`` streams the current leader, then every change, in log order: every observer
+sees the same sequence of leaders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError, check_ttl
+from ._streams import EventStream
+from .ownership import Ownership
+
+__all__ = ["Leader", "LeaderElection"]
+
+RESOURCE = "leader"
+
+
+@dataclass(frozen=True, slots=True)
+class Leader:
+    """A term of leadership: who, its fencing token, and where in the log it began."""
+
+    name: str
+    token: int
+    position: int
+
+
+def _leader_of(table: LeaseTable) -> Leader | None:
+    holding = table.holding(RESOURCE)
+    if not holding:
+        return None
+    lease = holding[0]
+    return Leader(lease.owner, lease.token, lease.position)
+
+
+class LeaderElection:
+    """Elect one leader among processes sharing ``topic``::
+
+    async with LeaderElection("pulsar://127.0.0.1:6650", "my-job-leader", ttl=5) as election:
+        await election.campaign()        # returns once this process leads
+        ...                              # lead; fence writes with election.lease
+
+    Args:
+        pulsar: a service URL or a ``pulsar.asyncio.Client``.
+        topic: the election's topic (one per election).
+        name: this candidate's name (default host-pid-random).
+        ttl: seconds a leader stays leader without renewing (renewed every ``ttl / 3``).
+        **manager_options: passed to :class:`~pulsar_state.SharedStateManager`.
+    """
+
+    def __init__(
+        self, pulsar: Any, topic: str, *, name: str | None = None, ttl: float = 10.0, **options: Any
+    ) -> None:
+        self.ttl = check_ttl(ttl)
+        self._ownership = Ownership(pulsar, topic, owner=name, **options)
+        self._lease: Lease | None = None
+
+    @property
+    def name(self) -> str:
+        return self._ownership.owner
+
+    @property
+    def ownership(self) -> Ownership:
+        """The Ownership table underneath."""
+        return self._ownership
+
+    async def open(self, *, timeout: float | None = None) -> None:
+        await self._ownership.open(timeout=timeout)
+
+    async def aclose(self, *, timeout: float = 10.0) -> None:
+        """Resign (if leading or campaigning) and disconnect."""
+        await self._ownership.aclose(timeout=timeout)
+
+    async def __aenter__(self) -> LeaderElection:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def campaign(self, *, timeout: float | None = None) -> Leader:
+        """Wait until this candidate leads (at most ``timeout`` s, then OperationTimeoutError
+        and the candidacy is withdrawn); returns its term (the current one if it already
+        leads). Leadership is kept alive until :meth:`resign` or close."""
+        if self._lease is not None and self._ownership.is_held(self._lease):
+            return Leader(self._lease.owner, self._lease.token, self._lease.position)
+        lease = await self._ownership.acquire(RESOURCE, mode="write", ttl=self.ttl, timeout=timeout)
+        self._lease = lease
+        return Leader(lease.owner, lease.token, lease.position)
+
+    async def resign(self) -> None:
+        """Stop leading; the next candidate takes over. NotHeldError if not leading."""
+        lease, self._lease = self._lease, None
+        if lease is None:
+            raise NotHeldError(f"{self.name} is not leading")
+        await self._ownership.release(lease)
+
+    @property
+    def lease(self) -> Lease | None:
+        """This candidate's lease while it leads (its token fences writes), else None."""
+        return self._lease
+
+    def is_leader(self, *, margin: float = 0.0) -> bool:
+        """Whether this candidate leads, per the local replica and this clock (``margin`` s
+        before its lease ends, it says no): a hint; fence the writes that matter."""
+        return self._lease is not None and self._ownership.is_held(self._lease, margin=margin)
+
+    def leader(self) -> Leader | None:
+        """The leader per the local replica (no I/O), or None."""
+        leader: Leader | None = self._ownership.read_local(_leader_of)
+        return leader
+
+    async def current_leader(self, *, latest: bool = True) -> Leader | None:
+        """The leader, after catching up with the tail (``latest=True``)."""
+        if latest:
+            await self._ownership.manager.sync()
+        return self.leader()
+
+    def leaders(self, *, max_queue: int = 1000) -> EventStream[Leader | None]:
+        """The current leader (None: no leader), then every change of leader in log order::
+
+        async for leader in election.leaders():
+            print("leader:", leader and leader.name)
+        """
+        table: LeaseTable = self._ownership.read_local(lambda s: s)
+        current = _leader_of(table)
+        stream: EventStream[Leader | None] = EventStream([current], max_queue=max_queue)
+        last = [current]
+
+        def on_change(events: list[LeaseEvent], table: LeaseTable) -> None:
+            if not any(RESOURCE in event.lease.names for event in events):
+                return
+            now = _leader_of(table)
+            if now != last[0]:
+                last[0] = now
+                stream.push([now])
+
+        stream.unsubscribe = self._ownership.subscribe(on_change)
+        self._ownership.on_close(stream.fail)
+        return stream

@@ -1,0 +1,149 @@
+"""Membership: a group of live members with leases, and join/leave events in log order.
+
+:Status: Experimental. Built on :class:`~recipes.Ownership` (public API only).
+
+A member joins by taking the resource ``"members"`` in read mode (readers share it), with a
+lease renewed by writing every ``ttl / 3`` seconds. It leaves by releasing it, or by dying:
+its lease expires about ``ttl`` after its last renewal (any open replica appends the expiry).
+Every replica agrees on the members at each position of the log, and :meth:`events` streams
+the same joins and leaves, in the same order, to every observer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pulsar_state import ConfigurationError
+
+from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError, check_ttl
+from ._streams import EventStream
+from .ownership import Ownership
+
+__all__ = ["MemberEvent", "Membership"]
+
+RESOURCE = "members"
+
+
+@dataclass(frozen=True, slots=True)
+class MemberEvent:
+    """A member joined or left. ``reason``: "joined", "left" (released) or "expired" (died).
+    ``initial`` marks the members already present when the stream was opened."""
+
+    kind: Literal["join", "leave"]
+    member: str
+    position: int
+    reason: Literal["joined", "left", "expired"]
+    initial: bool = False
+
+
+def _members_of(table: LeaseTable) -> list[str]:
+    return sorted({lease.owner for lease in table.holding(RESOURCE)})
+
+
+class Membership:
+    """A group of live processes sharing ``topic``::
+
+    async with Membership("pulsar://127.0.0.1:6650", "workers", name="w1", ttl=5) as group:
+        await group.join()
+        print(group.members_local())
+        async with group.events() as events:
+            async for event in events:
+                print(event.kind, event.member)
+
+    Args:
+        pulsar: a service URL or a ``pulsar.asyncio.Client``.
+        topic: the group's topic (one per group).
+        name: this member's name (default host-pid-random).
+        ttl: seconds a member stays without renewing (renewed every ``ttl / 3``).
+        **manager_options: passed to :class:`~pulsar_state.SharedStateManager`.
+    """
+
+    def __init__(
+        self, pulsar: Any, topic: str, *, name: str | None = None, ttl: float = 10.0, **options: Any
+    ) -> None:
+        self.ttl = check_ttl(ttl)
+        self._ownership = Ownership(pulsar, topic, owner=name, **options)
+        self._lease: Lease | None = None
+
+    @property
+    def name(self) -> str:
+        return self._ownership.owner
+
+    @property
+    def ownership(self) -> Ownership:
+        return self._ownership
+
+    async def open(self, *, timeout: float | None = None) -> None:
+        await self._ownership.open(timeout=timeout)
+
+    async def aclose(self, *, timeout: float = 10.0) -> None:
+        """Leave (if joined) and disconnect."""
+        await self._ownership.aclose(timeout=timeout)
+
+    async def __aenter__(self) -> Membership:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def join(self, *, timeout: float | None = None) -> Lease:
+        """Join the group (kept alive until :meth:`leave` or close); returns the lease.
+
+        ConfigurationError if this Membership has already joined and is still a member.
+        """
+        if self._lease is not None and self._ownership.is_held(self._lease):
+            raise ConfigurationError(f"{self.name} has already joined")
+        self._lease = await self._ownership.acquire(
+            RESOURCE, mode="read", ttl=self.ttl, timeout=timeout
+        )
+        return self._lease
+
+    async def leave(self) -> None:
+        """Leave the group. NotHeldError if not a member (never joined, left, or expired)."""
+        lease, self._lease = self._lease, None
+        if lease is None:
+            raise NotHeldError(f"{self.name} is not a member")
+        await self._ownership.release(lease)
+
+    def members_local(self) -> list[str]:
+        """The members per the local replica (no I/O), sorted."""
+        members: list[str] = self._ownership.read_local(_members_of)
+        return members
+
+    async def members(self, *, latest: bool = True) -> list[str]:
+        """The members, after catching up with the tail (``latest=True``), sorted."""
+        if latest:
+            await self._ownership.manager.sync()
+        return self.members_local()
+
+    def events(self, *, snapshot: bool = True, max_queue: int = 10_000) -> EventStream[MemberEvent]:
+        """The current members as ``join`` events (``initial=True``, unless
+        ``snapshot=False``), then every join and leave in log order."""
+        table: LeaseTable = self._ownership.read_local(lambda s: s)
+        initial = (
+            [MemberEvent("join", m, table.position, "joined", True) for m in _members_of(table)]
+            if snapshot
+            else []
+        )
+        stream: EventStream[MemberEvent] = EventStream(initial, max_queue=max_queue)
+
+        def on_change(events: list[LeaseEvent], table: LeaseTable) -> None:
+            changes: list[MemberEvent] = []
+            for event in events:
+                lease = event.lease
+                if RESOURCE not in lease.names or lease.mode != "read":
+                    continue
+                if event.kind == "granted":
+                    changes.append(MemberEvent("join", lease.owner, event.position, "joined"))
+                elif event.kind in ("released", "expired") and lease.held:
+                    reason: Literal["left", "expired"] = (
+                        "left" if event.kind == "released" else "expired"
+                    )
+                    changes.append(MemberEvent("leave", lease.owner, event.position, reason))
+            stream.push(changes)
+
+        stream.unsubscribe = self._ownership.subscribe(on_change)
+        self._ownership.on_close(stream.fail)
+        return stream

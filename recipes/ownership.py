@@ -1,0 +1,558 @@
+"""Ownership: named resources taken in read or write mode, with leases and fencing tokens.
+
+:Status: Experimental. Built only on ``pulsar_state``'s public API.
+
+The PGo state server's idea (a process takes ownership of named variables, in a read set and a
+write set, and releases them), as a table replicated through one Pulsar topic (see
+``recipes/_lease_table.py`` for the state machine):
+
+* ``acquire(names, mode=...)`` takes every name at once or waits for all of them (no partial
+  holdings, so overlapping sets never deadlock). Shared readers, one writer. Requests are
+  served in log order: a waiting writer is never overtaken by later readers.
+* Each grant carries a **fencing token**, strictly larger than every earlier one on the topic,
+  so on each of its names. Pass it to the state the lease protects (:func:`fenced_transact`)
+  so that a holder that lost its lease (frozen, partitioned) cannot write there any more.
+* Every lease has a TTL and is renewed by writing (``keep_alive=True`` renews in the
+  background every ``ttl / 3``); there is no keepalive stream. Expiry is decided from the log
+  only (the ops' timestamps, see the README's clock assumptions), so every replica agrees on
+  who holds what at each position. Each open Ownership appends an expiry ``tick`` when its
+  own clock says a lease is past due (``reap=True``), so a dead holder's resources are freed
+  about ``ttl`` after its last renewal even when nobody else writes.
+
+Failure semantics: as the core's. A call that times out raises
+:class:`~pulsar_state.OperationTimeoutError` (``acquire`` then withdraws its request); errors
+that say "nothing was written" (:class:`NotHeldError`, :class:`UnknownResourceError`,
+:class:`~pulsar_state.ConfigurationError`) are raised before anything is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from pulsar_state import (
+    STATE_MACHINE_OPTIONS,
+    AppliedRecord,
+    ClosedError,
+    ConfigurationError,
+    OperationTimeoutError,
+    PulsarStateError,
+    SharedStateManager,
+)
+
+from ._lease_table import (
+    Lease,
+    LeaseEvent,
+    LeaseTable,
+    Mode,
+    NotHeldError,
+    check_names,
+    check_ttl,
+)
+
+__all__ = ["Ownership"]
+
+logger = logging.getLogger(__name__)
+
+# After a lease is due by the local clock, wait this long (plus jitter, so that not every
+# replica races to append the same tick) before appending the tick that expires it.
+_REAP_GRACE_S = 0.05
+_REAP_JITTER_S = 0.1
+# Re-check at least this often even without news (a backstop; the listener wakes it).
+_REAP_IDLE_S = 5.0
+_TAKEOVER_AFTER_S = 1.0
+
+Subscriber = Callable[[list[LeaseEvent], LeaseTable], None]
+
+
+def default_owner() -> str:
+    """host-pid-random: unique per Ownership unless the caller names the owner."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Ownership:
+    """A replicated table of named resources held in read or write mode, on one topic.
+
+    ::
+
+        async with Ownership("pulsar://127.0.0.1:6650", "locks") as owners:
+            lease = await owners.acquire(["a", "b"], mode="write", ttl=10)
+            print(lease.token)          # fencing token
+            await owners.release(lease)
+
+            async with owners.hold("a", mode="read", ttl=10) as lease:
+                ...
+
+    Args:
+        pulsar: a service URL or a ``pulsar.asyncio.Client`` (as for ``SharedStateManager``).
+        topic: the table's topic (one per table).
+        owner: this process's name in the table (default host-pid-random).
+        resources: the names this table manages; others raise UnknownResourceError. None
+            (default): any non-empty str.
+        reap: append expiry ticks when a lease is past due by this process's clock.
+        **manager_options: passed to :class:`~pulsar_state.SharedStateManager`.
+            ``takeover_after_s`` defaults to 1 s here (the core's default never takes over):
+            a process frozen while it holds the topic's writer is fenced off after 1 s, so
+            leases keep being renewed, expired and granted. Keep TTLs well above it.
+    """
+
+    def __init__(
+        self,
+        pulsar: Any,
+        topic: str,
+        *,
+        owner: str | None = None,
+        resources: Iterable[str] | None = None,
+        reap: bool = True,
+        **manager_options: Any,
+    ) -> None:
+        reserved = sorted(STATE_MACHINE_OPTIONS & manager_options.keys())
+        if reserved:
+            raise ConfigurationError(f"Ownership sets {', '.join(reserved)} itself")
+        if owner is not None and (not isinstance(owner, str) or not owner):
+            raise ConfigurationError(f"owner must be a non-empty str, not {owner!r}")
+        self.owner = owner or default_owner()
+        self._resources: frozenset[str] | None = None
+        if resources is not None:
+            self._resources = frozenset(check_names(resources, None))
+        self._reap = reap
+        # A holder frozen (SIGSTOP, GC pause) while it holds the topic's exclusive writer
+        # must not stop everyone else from renewing, expiring and granting: take the
+        # writer over (fencing it; the core refuses its stale records) after a short wait.
+        manager_options.setdefault("takeover_after_s", _TAKEOVER_AFTER_S)
+        self._manager: SharedStateManager[LeaseTable, Any] = SharedStateManager(
+            pulsar,
+            topic,
+            initial_state=LeaseTable,
+            apply=LeaseTable.apply,
+            begin_record=LeaseTable.begin,
+            **manager_options,
+        )
+        self._pending: dict[str, asyncio.Future[Lease]] = {}
+        self._keepers: dict[str, asyncio.Task[None]] = {}
+        self._mine: set[str] = set()  # ids of this Ownership's requests and leases
+        self._subscribers: list[Subscriber] = []
+        self._on_close: list[Callable[[PulsarStateError], None]] = []
+        self._changed: asyncio.Event | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self._opened = False
+        self._stopping = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self, *, timeout: float | None = None) -> None:
+        """Connect and replay the table up to the tail as of now."""
+        if self._closed:
+            raise ClosedError(f"ownership table on {self.topic} is closed")
+        self._changed = asyncio.Event()
+        self._manager.add_listener(self._on_record)
+        await self._manager.open(timeout=timeout)
+        self._opened = True
+        if self._reap:
+            self._reaper = asyncio.get_running_loop().create_task(
+                self._reap_loop(), name=f"ownership-reaper-{self.topic}"
+            )
+
+    async def aclose(self, *, release: bool = True, timeout: float = 10.0) -> None:
+        """Stop renewing; release this process's leases (``release=True``); disconnect."""
+        if self._closed:
+            return
+        self._stopping = True
+        tasks = [t for t in [self._reaper, *self._keepers.values()] if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if release and self._opened and self._manager.halted is None:
+            mine = set(self._mine)
+            if mine:
+                with contextlib.suppress(PulsarStateError):
+                    await self._manager.write(
+                        lambda s: [self._op("release", i) for i in mine if i in s.leases],
+                        timeout=timeout,
+                    )
+        self._closed = True
+        closed = ClosedError(f"ownership table on {self.topic} is closed")
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(closed)
+                future.exception()  # an acquire still waiting gets it; nobody else must
+        self._pending.clear()
+        self._keepers.clear()
+        for callback in self._on_close:
+            callback(closed)
+        await self._manager.aclose(timeout=timeout)
+
+    async def __aenter__(self) -> Ownership:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    @property
+    def topic(self) -> str:
+        return str(self._manager.topic)
+
+    @property
+    def position(self) -> int:
+        return self._manager.position
+
+    @property
+    def manager(self) -> SharedStateManager[LeaseTable, Any]:
+        """The SharedStateManager underneath (monitoring; write through the recipe)."""
+        return self._manager
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClosedError(f"ownership table on {self.topic} is closed")
+        if not self._opened:
+            raise ClosedError(f"ownership table on {self.topic} is not open")
+
+    # ------------------------------------------------------------------ acquire / release
+
+    def _op(self, kind: str, lease_id: str | None = None, **fields: Any) -> dict[str, Any]:
+        op: dict[str, Any] = {"op": kind, "now": time.time()}
+        if lease_id is not None:
+            op["id"] = lease_id
+        op.update(fields)
+        return op
+
+    async def acquire(
+        self,
+        names: str | Iterable[str],
+        *,
+        mode: Mode = "write",
+        ttl: float = 10.0,
+        timeout: float | None = None,
+        keep_alive: bool = True,
+    ) -> Lease:
+        """Take every one of ``names`` in ``mode``, atomically; returns the granted lease.
+
+        Waits (in FIFO order with other requests) until all names are free for ``mode``, at
+        most ``timeout`` seconds (None: as long as it takes), then withdraws the request and
+        raises :class:`~pulsar_state.OperationTimeoutError`. ``keep_alive`` renews the lease
+        (and the waiting request) every ``ttl / 3`` seconds until :meth:`release`; without
+        it, call :meth:`renew` yourself.
+
+        Raises ConfigurationError for no names, a bad mode or a TTL that is not > 0,
+        UnknownResourceError for a name outside ``resources``, NotHeldError if the request
+        expired before it was granted (this process did not renew it in time).
+        """
+        lease = await self._acquire(names, mode, ttl, timeout, True, keep_alive)
+        assert lease is not None
+        return lease
+
+    async def try_acquire(
+        self,
+        names: str | Iterable[str],
+        *,
+        mode: Mode = "write",
+        ttl: float = 10.0,
+        timeout: float | None = None,
+        keep_alive: bool = True,
+    ) -> Lease | None:
+        """``acquire`` without waiting: the lease if every name is free for ``mode`` at the
+        tail of the log, else None (the table is left unchanged)."""
+        return await self._acquire(names, mode, ttl, timeout, False, keep_alive)
+
+    async def _acquire(
+        self,
+        names: str | Iterable[str],
+        mode: Mode,
+        ttl: float,
+        timeout: float | None,
+        wait: bool,
+        keep_alive: bool,
+    ) -> Lease | None:
+        self._check_usable()
+        wanted = check_names(names, self._resources)
+        if mode not in ("read", "write"):
+            raise ConfigurationError(f"mode must be 'read' or 'write', not {mode!r}")
+        ttl = check_ttl(ttl)
+        lease_id = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        granted: asyncio.Future[Lease] = loop.create_future()
+        self._pending[lease_id] = granted
+        fields = {"owner": self.owner, "names": list(wanted), "mode": mode, "ttl": ttl}
+
+        def generator(state: LeaseTable) -> list[dict[str, Any]]:
+            op = self._op("acquire", lease_id, **fields)
+            if not wait and not state.simulate(op).leases.get(lease_id, _WAITING).held:
+                return []
+            return [op]
+
+        try:
+            result = await self._manager.write(
+                generator, reader=lambda s: s.leases.get(lease_id), timeout=_left(deadline)
+            )
+            lease = result.value
+            if lease is None and not wait:
+                self._pending.pop(lease_id, None)
+                return None
+            if lease is None:
+                raise NotHeldError(f"request {lease_id} expired at once (ttl {ttl}s too short?)")
+            self._mine.add(lease_id)
+            if keep_alive:
+                self._keep(lease_id, ttl)
+            if not lease.held:
+                async with asyncio.timeout(_left(deadline)):
+                    lease = await granted
+        except BaseException as exc:
+            self._pending.pop(lease_id, None)
+            self._stop_keeping(lease_id)
+            if not isinstance(exc, NotHeldError):
+                await self._withdraw(lease_id)
+            self._mine.discard(lease_id)
+            if isinstance(exc, TimeoutError) and not isinstance(exc, OperationTimeoutError):
+                raise OperationTimeoutError(
+                    f"{list(wanted)} not granted for {mode} within {timeout}s"
+                ) from exc
+            raise
+        self._pending.pop(lease_id, None)
+        return lease
+
+    async def _withdraw(self, lease_id: str) -> None:
+        # Best effort (the caller is already failing): drop the request or the fresh grant.
+        with contextlib.suppress(PulsarStateError, asyncio.CancelledError):
+            await asyncio.shield(
+                self._manager.write(
+                    lambda s: [self._op("release", lease_id)] if lease_id in s.leases else []
+                )
+            )
+
+    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+        """Extend ``lease`` to ``ttl`` (default its own) seconds from now; returns it renewed.
+
+        Raises NotHeldError (writing nothing) if it expired or was released.
+        """
+        self._check_usable()
+        self._check_mine(lease)
+        return await self._renew(lease.id, check_ttl(lease.ttl if ttl is None else ttl))
+
+    async def _renew(self, lease_id: str, ttl: float, timeout: float | None = None) -> Lease:
+        def generator(state: LeaseTable) -> list[dict[str, Any]]:
+            op = self._op("renew", lease_id, ttl=ttl)
+            if lease_id not in state.simulate(op).leases:
+                raise NotHeldError(f"lease {lease_id} is not held: it expired or was released")
+            return [op]
+
+        result = await self._manager.write(
+            generator, reader=lambda s: s.leases[lease_id], timeout=timeout
+        )
+        return result.value
+
+    async def release(self, lease: Lease, *, timeout: float | None = None) -> None:
+        """Give ``lease`` up (or withdraw a waiting request).
+
+        Raises NotHeldError (writing nothing) if it is not held by this Ownership: another
+        owner's, already released, or expired.
+        """
+        self._check_usable()
+        self._check_mine(lease)
+        self._stop_keeping(lease.id)
+        self._mine.discard(lease.id)
+        now = time.time()
+
+        def generator(state: LeaseTable) -> list[dict[str, Any]]:
+            current = state.leases.get(lease.id)
+            if current is None or current.expires_at <= max(state.clock, now):
+                raise NotHeldError(
+                    f"lease {lease.id} on {list(lease.names)} is not held: it expired or was "
+                    "already released"
+                )
+            return [self._op("release", lease.id)]
+
+        await self._manager.write(generator, timeout=timeout)
+
+    def _check_mine(self, lease: Lease) -> None:
+        if not isinstance(lease, Lease):
+            raise ConfigurationError(f"expected a Lease, not {type(lease).__name__}")
+        if lease.owner != self.owner:
+            raise NotHeldError(f"lease {lease.id} belongs to {lease.owner!r}, not {self.owner!r}")
+
+    @contextlib.asynccontextmanager
+    async def hold(
+        self,
+        names: str | Iterable[str],
+        *,
+        mode: Mode = "write",
+        ttl: float = 10.0,
+        timeout: float | None = None,
+    ) -> AsyncIterator[Lease]:
+        """``acquire`` (kept alive) on entry, ``release`` on exit.
+
+        If the lease was lost meanwhile, leaving raises NotHeldError (unless the body raised).
+        """
+        lease = await self.acquire(names, mode=mode, ttl=ttl, timeout=timeout)
+        try:
+            yield lease
+        except BaseException:
+            with contextlib.suppress(NotHeldError, ClosedError):
+                await self.release(lease)
+            raise
+        await self.release(lease)
+
+    # ------------------------------------------------------------------ reads
+
+    def holders_local(self, name: str) -> list[Lease]:
+        """The leases holding ``name`` in the local replica (no I/O), oldest grant first."""
+        self._check_usable()
+        return self._manager.read_local(lambda s: s.holding(name))
+
+    async def holders(
+        self, name: str, *, latest: bool = False, timeout: float | None = None
+    ) -> list[Lease]:
+        """The leases holding ``name``; ``latest=True`` first catches up with the tail.
+
+        The table removes an expired lease only when an op reaches its expiry: compare
+        ``expires_at`` with your clock to see one that is due but not yet reaped.
+        """
+        self._check_usable()
+        return await self._manager.read(lambda s: s.holding(name), latest=latest, timeout=timeout)
+
+    async def leases(self, *, latest: bool = False, timeout: float | None = None) -> list[Lease]:
+        """Every lease, held and waiting, in request order."""
+        self._check_usable()
+        return await self._manager.read(
+            lambda s: list(s.leases.values()), latest=latest, timeout=timeout
+        )
+
+    def is_held(self, lease: Lease, *, margin: float = 0.0) -> bool:
+        """Whether the local replica shows ``lease`` held and this clock says it has more than
+        ``margin`` seconds left (no I/O). A hint for when to stop acting; fence writes."""
+        self._check_usable()
+        current = self._manager.read_local(lambda s: s.leases.get(lease.id))
+        return current is not None and current.held and current.expires_at - margin > time.time()
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call ``callback(events, table)`` after each record that changed the table, in log
+        order, on the event loop (keep it short). Returns an unsubscribe function. Reading the
+        table and subscribing in one synchronous step misses nothing."""
+        self._check_usable()
+        self._subscribers.append(callback)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                self._subscribers.remove(callback)
+
+        return remove
+
+    def on_close(self, callback: Callable[[PulsarStateError], None]) -> None:
+        """Call ``callback(ClosedError)`` when this Ownership closes (ends streams)."""
+        self._on_close.append(callback)
+
+    def read_local(self, reader: Callable[[LeaseTable], Any]) -> Any:
+        """Run ``reader`` on the local table (no I/O); it must not change it."""
+        self._check_usable()
+        return self._manager.read_local(reader)
+
+    # ------------------------------------------------------------------ background work
+
+    def _on_record(self, record: AppliedRecord[Any]) -> None:
+        if self._manager.closed:
+            return
+        events: list[LeaseEvent] = self._manager.read_local(lambda s: s.events)
+        for event in events:
+            lease_id = event.lease.id
+            if event.kind == "granted":
+                future = self._pending.pop(lease_id, None)
+                if future is not None and not future.done():
+                    future.set_result(event.lease)
+            elif event.kind in ("expired", "released"):
+                future = self._pending.pop(lease_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(
+                        NotHeldError(f"request {lease_id} {event.kind} before it was granted")
+                    )
+                self._mine.discard(lease_id)
+                if lease_id in self._keepers:
+                    if event.kind == "expired":
+                        logger.warning(
+                            "lease %s on %s expired at position %d (not renewed in time)",
+                            lease_id,
+                            list(event.lease.names),
+                            event.position,
+                        )
+                    self._stop_keeping(lease_id)
+        if events:
+            table = self._manager.read_local(lambda s: s)
+            for callback in list(self._subscribers):
+                callback(events, table)
+        if self._changed is not None:
+            self._changed.set()
+
+    def _keep(self, lease_id: str, ttl: float) -> None:
+        self._keepers[lease_id] = asyncio.get_running_loop().create_task(
+            self._keep_alive(lease_id, ttl), name=f"ownership-keepalive-{lease_id}"
+        )
+
+    def _stop_keeping(self, lease_id: str) -> None:
+        task = self._keepers.pop(lease_id, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    async def _keep_alive(self, lease_id: str, ttl: float) -> None:
+        interval = ttl / 3
+        while not self._stopping:
+            await asyncio.sleep(interval)
+            try:
+                await self._renew(lease_id, ttl, timeout=max(interval, 0.5))
+                interval = ttl / 3
+            except NotHeldError:
+                logger.warning("lease %s was lost: it expired before it could be renewed", lease_id)
+                self._keepers.pop(lease_id, None)
+                return
+            except ClosedError:
+                return
+            except PulsarStateError as exc:
+                logger.warning("renewing lease %s failed (%s); retrying", lease_id, exc)
+                interval = max(interval / 2, 0.05)
+
+    async def _reap_loop(self) -> None:
+        assert self._changed is not None
+        changed = self._changed
+        while not self._stopping:
+            changed.clear()
+            due = self._manager.read_local(lambda s: s.next_expiry())
+            now = time.time()
+            if due is None or due + _REAP_GRACE_S > now:
+                delay = _REAP_IDLE_S if due is None else due + _REAP_GRACE_S - now
+                delay += random.random() * _REAP_JITTER_S
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(delay, _REAP_IDLE_S)):
+                        await changed.wait()
+                continue
+            try:
+                await self._manager.write(self._tick)
+            except ClosedError:
+                return
+            except PulsarStateError as exc:
+                logger.warning("expiry tick on %s failed (%s); retrying", self.topic, exc)
+                await asyncio.sleep(0.5)
+
+    def _tick(self, state: LeaseTable) -> list[dict[str, Any]]:
+        op = self._op("tick")
+        due = state.next_expiry()
+        return [op] if due is not None and due <= max(state.clock, op["now"]) else []
+
+
+_WAITING = Lease("", "", (), "write", 1.0, 0.0)
+
+
+def _left(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    return max(deadline - asyncio.get_running_loop().time(), 0.0)

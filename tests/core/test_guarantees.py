@@ -1,0 +1,226 @@
+"""The guarantees off the happy path (issue 11): loud halts instead of silent divergence,
+no write left pending, no misleading errors. Every case runs against the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import pytest
+
+from pulsar_state import (
+    ClosedError,
+    CodecError,
+    CorruptRecordError,
+    ForkedHistoryError,
+    JsonCodec,
+    ReplicaHaltedError,
+)
+from pulsar_state._envelope import Record, Write, encode_record
+from pulsar_state._records import OutgoingRecord
+from tests.core.helpers import counter_manager, incr, raw_producer
+
+POISON = {"op": "set", "key": "poison", "value": 1}
+
+
+class PoisonKeyErrorCodec(JsonCodec):
+    """A user codec with a bug: raises KeyError (not CodecError) on one op."""
+
+    def decode(self, data: bytes, /) -> Any:
+        op = super().decode(data)
+        if op.get("key") == "poison":
+            raise KeyError("no decoder for 'poison'")
+        return op
+
+
+class PoisonRefusingCodec(JsonCodec):
+    """A codec that cannot decode one op another process writes (it refuses it properly)."""
+
+    def decode(self, data: bytes, /) -> Any:
+        op = super().decode(data)
+        if op.get("key") == "poison":
+            raise CodecError("unknown op 'poison'")
+        return op
+
+
+async def wait_halted(manager: Any) -> None:
+    """Catch up with the tail: a replica that halts on the way fails the wait."""
+    with pytest.raises(ReplicaHaltedError):
+        await manager.sync(timeout=20)
+
+
+# ---------------------------------------------------------------- (d) raising user code
+
+
+async def test_codec_raising_keyerror_halts_the_replica_loudly(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        counter_manager(service_url, topic, admin_url) as writer,
+        counter_manager(service_url, topic, admin_url, codec=PoisonKeyErrorCodec()) as victim,
+    ):
+        await writer.write(lambda s: [incr()])
+        with caplog.at_level(logging.ERROR, logger="pulsar_state"):
+            result = await writer.write(lambda s: [POISON])
+            await wait_halted(victim)
+        assert victim.position == 1  # stopped before the record it could not decode
+        with pytest.raises(ReplicaHaltedError) as halted:
+            await victim.read(lambda s: s, latest=True, timeout=5)
+        reason = halted.value.__cause__
+        assert reason is victim.halted
+        assert isinstance(reason.__cause__, KeyError)
+        assert str(result.position) in str(halted.value) or "poison" in str(halted.value)
+        assert "message" in str(reason)
+        with pytest.raises(ReplicaHaltedError):
+            await victim.write(lambda s: [incr()], timeout=5)
+        # The pump ended by halting, not by dying with an exception nobody reads.
+        pump = victim._pump_task
+        assert pump is not None
+        await asyncio.wait_for(asyncio.shield(pump), 5)
+        assert pump.exception() is None
+    assert "halted" in caplog.text
+    assert any(r.levelno == logging.ERROR for r in caplog.records)
+
+
+class FailingSnapshotCodec(JsonCodec):
+    """A snapshot codec that cannot encode the states it meets."""
+
+    def encode(self, value: Any, /) -> bytes:
+        if value.get("count", 0) >= 2 and "fail" in value:
+            raise TypeError("cannot encode this state")
+        return super().encode(value)
+
+
+async def test_snapshot_codec_failing_in_determinism_check_halts(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with counter_manager(service_url, topic, admin_url, snapshot_codec=JsonCodec()) as writer:
+        await writer.write(lambda s: [{"op": "set", "key": "fail", "value": True}])
+        await writer.write(lambda s: [incr()])
+        await writer.write(lambda s: [incr()])
+        await writer.snapshot()
+    replica = counter_manager(
+        service_url,
+        topic,
+        admin_url,
+        snapshot_codec=FailingSnapshotCodec(),
+        load_snapshot=False,
+        open_timeout_s=20,
+    )
+    with (
+        caplog.at_level(logging.ERROR, logger="pulsar_state"),
+        pytest.raises(ReplicaHaltedError) as halted,
+    ):
+        await replica.open()
+    assert isinstance(halted.value.__cause__, Exception)
+    assert isinstance(halted.value.__cause__.__cause__, TypeError)
+    assert any(r.levelno == logging.ERROR for r in caplog.records)
+
+
+# ---------------------------------------------------------------- (b) forked histories
+
+
+async def test_skip_never_skips_an_accepted_record_so_no_write_is_lost(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        counter_manager(service_url, topic, admin_url) as writer,
+        counter_manager(
+            service_url, topic, admin_url, codec=PoisonRefusingCodec(), on_corrupt="skip"
+        ) as skipper,
+    ):
+        await writer.write(lambda s: [incr("a")])
+        await writer.write(lambda s: [POISON])
+        with contextlib.suppress(ReplicaHaltedError):
+            await skipper.sync(timeout=10)  # it has read the poison record
+        try:
+            acknowledged = await skipper.write(lambda s: [incr("b")], timeout=10)
+        except ReplicaHaltedError:
+            acknowledged = None
+        if acknowledged is not None:
+            # The guarantee itself: an acknowledged write is applied by a fresh replica.
+            async with counter_manager(service_url, topic, admin_url) as fresh:
+                seen = await fresh.read(lambda s: s["seen"], latest=True)
+            assert "b" in seen, "an acknowledged write that a fresh replica never applies"
+        assert isinstance(skipper.halted, CorruptRecordError)
+        assert skipper.position == 1
+
+
+async def send_raw(service_url: str, topic: str, record: Record) -> None:
+    async with raw_producer(service_url, topic) as producer:
+        await producer.send(encode_record(record), partition_key=record.record_id)
+
+
+async def test_record_based_ahead_of_the_replica_halts_as_forked_history(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        await manager.write(lambda s: [incr()])
+        ahead = Record("elsewhere", 7, 5, "elsewhere/6", [Write(1, [b'{"op":"incr"}'])])
+        with caplog.at_level(logging.ERROR, logger="pulsar_state"):
+            await send_raw(service_url, topic, ahead)
+            await wait_halted(manager)
+        fork = manager.halted
+        assert isinstance(fork, ForkedHistoryError)
+        assert fork.message_id in str(fork)
+        assert "forked history" in str(fork)
+        assert manager.position == 1
+        with pytest.raises(ReplicaHaltedError, match="forked history"):
+            await manager.write(lambda s: [incr()], timeout=5)
+    assert "forked history" in caplog.text
+
+
+async def test_same_position_other_base_record_halts_as_forked_history(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        await manager.write(lambda s: [incr()])
+        other = Record("elsewhere", 2, 1, "elsewhere/1", [Write(1, [b'{"op":"incr"}'])])
+        await send_raw(service_url, topic, other)
+        await wait_halted(manager)
+        assert isinstance(manager.halted, ForkedHistoryError)
+        assert manager.position == 1
+    # A fresh replica halts at the same message while opening.
+    with pytest.raises(ReplicaHaltedError, match="forked history"):
+        async with counter_manager(service_url, topic, admin_url):
+            pass
+
+
+# ---------------------------------------------------------------- (h) smaller defects
+
+
+async def test_writes_expiring_while_acquiring_log_no_error(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        with caplog.at_level(logging.ERROR, logger="pulsar_state"):
+            for _ in range(20):
+                with pytest.raises(TimeoutError):
+                    await manager.write(lambda s: [incr()], timeout=1e-6)
+                await asyncio.sleep(0.02)  # let the writer loop run its turn
+            assert await manager.read(lambda s: s["count"], latest=True) == 0
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+async def test_write_whose_record_is_ignored_during_close_does_not_hang(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    manager = counter_manager(service_url, topic, admin_url)
+    await manager.open()
+    await manager.write(lambda s: [incr()])
+    await asyncio.sleep(0.5)  # the idle writer is released, so the raw producer gets in
+    # A write in flight in a record that will turn out stale (based on position 0).
+    pending = manager._pending
+    future = pending.submit(lambda s: [incr()], None, 30.0)
+    [write] = pending.take(1)
+    stale = Record(manager.writer_id, 999, 0, "", [Write(write.write_seq, [b'{"op":"incr"}'])])
+    pending.launch([OutgoingRecord(stale, encode_record(stale), [write])])
+    closing = asyncio.create_task(manager.aclose(timeout=8.0))
+    await asyncio.sleep(0)  # closed from here on; it waits for the write in flight
+    await send_raw(service_url, topic, stale)
+    await closing
+    with pytest.raises(ClosedError):
+        await asyncio.wait_for(future, 5)

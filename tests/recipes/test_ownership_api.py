@@ -1,0 +1,254 @@
+"""Ownership, fenced writes, Counter, LeaderElection and Membership in one process, against
+the real broker (several replicas of one topic in one process)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from pulsar_state import ConfigurationError, OperationTimeoutError
+from recipes import (
+    Counter,
+    Leader,
+    LeaderElection,
+    Membership,
+    NotHeldError,
+    Ownership,
+    StaleTokenError,
+    SyncCounter,
+    SyncOwnership,
+    UnknownResourceError,
+    claim,
+    fence_key,
+    fenced_transact,
+)
+from tests.recipes.helpers import new_map, recipe_options
+
+
+def owners(service_url: str, topic: str, admin_url: str, **options: Any) -> Ownership:
+    return Ownership(service_url, topic, **recipe_options(admin_url, **options))
+
+
+async def test_acquire_release_modes_and_tokens(service_url: str, admin_url: str, topic: str):
+    async with (
+        owners(service_url, topic, admin_url, owner="a") as a,
+        owners(service_url, topic, admin_url, owner="b") as b,
+    ):
+        r1 = await a.acquire("x", mode="read")
+        r2 = await b.acquire(["x"], mode="read")  # readers share
+        assert r1.held
+        assert r2.token > r1.token
+        assert [lease.owner for lease in await b.holders("x", latest=True)] == ["a", "b"]
+        # A writer on {x, y} waits for both readers and takes nothing meanwhile (all or
+        # nothing); later requests for y queue behind it (FIFO).
+        writer = asyncio.ensure_future(a.acquire(["y", "x"], mode="write"))
+        await asyncio.sleep(0.5)
+        assert not writer.done()
+        assert await b.try_acquire("y") is None
+        await a.release(r1)
+        assert not writer.done()
+        await b.release(r2)
+        w = await asyncio.wait_for(writer, 30)
+        assert w.names == ("x", "y")
+        assert w.mode == "write"
+        assert w.token > r2.token
+        assert a.is_held(w)
+        assert [lease.id for lease in await b.holders("y", latest=True)] == [w.id]
+        await a.release(w)
+        assert await b.holders("x", latest=True) == []
+
+
+async def test_hold_and_try_acquire(service_url: str, admin_url: str, topic: str) -> None:
+    async with (
+        owners(service_url, topic, admin_url) as a,
+        owners(service_url, topic, admin_url) as b,
+    ):
+        async with a.hold(["p", "q"]) as lease:
+            assert await b.try_acquire("q") is None
+            assert await b.try_acquire("q", mode="read") is None
+            assert await b.leases(latest=True) == [lease]  # a refused try changes nothing
+            other = await b.try_acquire("r")
+            assert other is not None
+            assert other.token > lease.token
+        assert await a.leases(latest=True) == [other]
+
+
+async def test_acquire_timeout_withdraws_the_request(service_url: str, admin_url: str, topic: str):
+    async with (
+        owners(service_url, topic, admin_url) as a,
+        owners(service_url, topic, admin_url) as b,
+    ):
+        held = await a.acquire("x")
+        started = time.monotonic()
+        with pytest.raises(OperationTimeoutError, match="not granted"):
+            await b.acquire("x", timeout=1.0)
+        assert time.monotonic() - started < 10
+        assert await a.leases(latest=True) == [held]  # the waiting request is gone
+        await a.release(held)
+
+
+async def test_an_unrenewed_lease_expires_and_the_waiter_gets_a_larger_token(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        owners(service_url, topic, admin_url) as a,
+        owners(service_url, topic, admin_url) as b,
+        new_map(service_url, topic + "-data", admin_url) as data,
+    ):
+        old = await a.acquire("account", ttl=1.0, keep_alive=False)
+        await claim(data, old)
+        assert await fenced_transact(data, old, lambda view: {"balance": 10}) is not None
+        started = time.monotonic()
+        new = await b.acquire("account", ttl=30, timeout=30)
+        waited = time.monotonic() - started
+        assert 0.5 < waited < 1.0 + 5.0, waited  # freed by an expiry tick after its lease
+        assert new.token > old.token
+        await fenced_transact(data, new, lambda view: {"balance": view["balance"] + 1})
+        # The old holder's token is refused, and nothing it tried is applied anywhere.
+        with pytest.raises(StaleTokenError, match="stale") as stale:
+            await fenced_transact(data, old, lambda view: {"balance": 0})
+        assert stale.value.seen == new.token
+        assert await data.get("balance", latest=True) == 11
+        assert await data.get(fence_key("account")) == new.token
+        with pytest.raises(NotHeldError, match="expired or was already released"):
+            await a.release(old)
+        with pytest.raises(NotHeldError):
+            await a.renew(old)
+        await b.release(new)
+
+
+async def test_bad_input_is_refused_before_anything_is_written(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        owners(service_url, topic, admin_url, resources=["a", "b"]) as a,
+        owners(service_url, topic, admin_url) as b,
+        new_map(service_url, topic + "-data", admin_url) as data,
+    ):
+        position = await a.manager.sync()
+        with pytest.raises(UnknownResourceError, match=r"unknown resource name\(s\) \['c'\]"):
+            await a.acquire(["a", "c"])
+        for ttl in (0, -1, float("nan"), float("inf")):
+            with pytest.raises(ConfigurationError, match="ttl"):
+                await a.acquire("a", ttl=ttl)
+        with pytest.raises(ConfigurationError, match="at least one"):
+            await a.acquire([])
+        with pytest.raises(ConfigurationError, match="non-empty str"):
+            await a.acquire(["a", ""])
+        with pytest.raises(ConfigurationError, match="mode"):
+            await a.acquire("a", mode="exclusive")  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="owner"):
+            Ownership(service_url, topic, owner="")
+        with pytest.raises(ConfigurationError, match="sets apply"):
+            Ownership(service_url, topic, apply=lambda s, o: None)
+        assert await a.manager.sync() == position  # nothing was written
+
+        lease = await a.acquire("a")
+        with pytest.raises(NotHeldError, match="belongs to"):
+            await b.release(lease)
+        with pytest.raises(ConfigurationError, match="Lease"):
+            await a.release("a")  # type: ignore[arg-type]
+        reader = await b.acquire("r", mode="read")
+        with pytest.raises(ConfigurationError, match="write mode"):
+            await fenced_transact(data, reader, lambda view: {"k": 1})
+        with pytest.raises(ConfigurationError, match="fence keys"):
+            await fenced_transact(data, lease, lambda view: {fence_key("a"): 10**9})
+        await a.release(lease)
+        with pytest.raises(NotHeldError, match="already released"):
+            await a.release(lease)
+        assert await data.list_keys(latest=True) == []
+
+
+async def test_counter(service_url: str, admin_url: str, topic: str) -> None:
+    async with (
+        Counter(service_url, topic, **recipe_options(admin_url)) as one,
+        Counter(service_url, topic, **recipe_options(admin_url)) as two,
+    ):
+        results = await asyncio.gather(*(c.add(1) for c in (one, two) for _ in range(50)))
+        assert sorted(results) == list(range(1, 101))  # each add saw its own op applied
+        assert await two.value(latest=True) == 100
+        assert await one.add(-10) == 90
+        assert await one.compare_and_set(90, 5) is True
+        assert await two.compare_and_set(90, 6) is False
+        assert await two.value(latest=True) == 5
+        with pytest.raises(ConfigurationError, match="int"):
+            await one.add(1.5)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationError, match="int"):
+            await one.add(True)
+    with SyncCounter(service_url, topic, **recipe_options(admin_url)) as blocking:
+        assert blocking.value(latest=True) == 5
+        assert blocking.add(2) == 7
+
+
+async def test_sync_ownership(service_url: str, admin_url: str, topic: str) -> None:
+    def run() -> list[int]:
+        with (
+            SyncOwnership(service_url, topic, **recipe_options(admin_url)) as a,
+            SyncOwnership(service_url, topic, **recipe_options(admin_url)) as b,
+        ):
+            with a.hold(["m", "n"]) as lease:
+                assert b.try_acquire("n") is None
+                assert [x.id for x in b.holders("m", latest=True)] == [lease.id]
+            second = b.acquire("n", timeout=30)
+            b.release(second)
+            with pytest.raises(NotHeldError):
+                b.release(second)
+            return [lease.token, second.token]
+
+    first, second = await asyncio.to_thread(run)
+    assert second > first
+
+
+async def test_election_and_leaders_stream(service_url: str, admin_url: str, topic: str) -> None:
+    options = recipe_options(admin_url)
+    async with (
+        LeaderElection(service_url, topic, name="one", ttl=5, **options) as one,
+        LeaderElection(service_url, topic, name="two", ttl=5, **options) as two,
+        LeaderElection(service_url, topic, name="watcher", ttl=5, **options) as watcher,
+    ):
+        seen: list[Leader | None] = []
+        async with watcher.leaders() as leaders:
+            first = await one.campaign()
+            assert one.is_leader()
+            assert await one.campaign() == first  # already leading
+            second_task = asyncio.ensure_future(two.campaign())
+            await asyncio.sleep(0.3)
+            assert not second_task.done()
+            await one.resign()
+            second = await asyncio.wait_for(second_task, 30)
+            assert second.token > first.token
+            assert not one.is_leader()
+            await two.resign()
+            while len(seen) < 4:
+                seen.append(await leaders.next(timeout=30))
+        assert seen == [None, first, second, None]
+        assert await watcher.current_leader() is None
+        with pytest.raises(NotHeldError):
+            await two.resign()
+
+
+async def test_membership_events(service_url: str, admin_url: str, topic: str) -> None:
+    options = recipe_options(admin_url)
+    async with (
+        Membership(service_url, topic, name="m1", ttl=5, **options) as m1,
+        Membership(service_url, topic, name="m2", ttl=5, **options) as m2,
+    ):
+        await m1.join()
+        with pytest.raises(ConfigurationError, match="already joined"):
+            await m1.join()
+        assert await m2.members() == ["m1"]  # latest: m2's replica has m1's join now
+        async with m2.events() as events:
+            await m2.join()
+            await m1.leave()
+            got = [await events.next(timeout=30) for _ in range(3)]
+        assert [(e.kind, e.member, e.reason, e.initial) for e in got] == [
+            ("join", "m1", "joined", True),
+            ("join", "m2", "joined", False),
+            ("leave", "m1", "left", False),
+        ]
+        assert await m1.members() == ["m2"]
+        with pytest.raises(NotHeldError, match="not a member"):
+            await m1.leave()
