@@ -172,7 +172,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pulsar-admin-url", default=os.environ.get("PULSAR_ADMIN_URL"))
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     args = parser.parse_args(argv)
-    from tests.support.broker import provide_broker
+    from pulsar_state.testing import provide_broker
 
     broker = provide_broker(args.pulsar_url, args.pulsar_admin_url)
     modes = tuple(args.modes.split(","))

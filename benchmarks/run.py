@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pulsar_state import JsonCodec, SharedStateManager  # noqa: E402
+from pulsar_state.testing import Broker, provide_broker  # noqa: E402
 from recipes import PulsarMap  # noqa: E402
-from tests.support.broker import Broker, provide_broker  # noqa: E402
 
 
 @dataclass
@@ -430,7 +430,7 @@ WORKER = """
 import asyncio, sys, time
 sys.path.insert(0, {repo!r})
 from benchmarks.run import kv_manager
-from tests.support.broker import Broker
+from pulsar_state.testing import Broker
 async def main():
     broker = Broker({url!r}, {admin!r}, "external")
     async with kv_manager(broker, {topic!r}) as m:

@@ -1,31 +1,33 @@
-"""Test wiring: one real broker per session, a unique topic per test.
+"""Test wiring: the pulsar_state.testing plugin's real broker, a unique topic per test.
 
-Options (like redis-py's ``--redis-url``):
+The plugin (entry point ``pytest11``) brings the options and the ``pulsar_broker`` and
+``state_topic`` fixtures, as it does for users' suites:
   --pulsar-url URL          use this broker (or PULSAR_SERVICE_URL)
   --pulsar-admin-url URL    its admin REST URL (or PULSAR_ADMIN_URL; default derived)
-  --no-broker-ok            when no broker can be had, deselect broker tests instead of
+  --pulsar-standalone PATH  the scripts/pulsar-standalone to run (default: this checkout's)
+  --no-broker-ok            when no broker can be had, xfail broker tests instead of
                             failing. Refused under CI: there a missing broker fails the run.
+The fixtures below are this suite's historical names for them.
 """
 
 from __future__ import annotations
 
-import os
-import uuid
-
 import pytest
 
-from tests.support.broker import Broker, BrokerUnavailable, provide_broker
+from pulsar_state.testing import Broker
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("pulsar-state")
-    group.addoption("--pulsar-url", default=os.environ.get("PULSAR_SERVICE_URL"))
-    group.addoption("--pulsar-admin-url", default=os.environ.get("PULSAR_ADMIN_URL"))
-    group.addoption("--no-broker-ok", action="store_true", default=False)
+def pytest_configure(config: pytest.Config) -> None:
+    # Without the entry point (a stale install) the fixtures below would be missing; say why.
+    if not config.pluginmanager.hasplugin("pulsar_state"):
+        raise pytest.UsageError(
+            "the pulsar_state.testing plugin is not loaded: reinstall the package "
+            "(scripts/bootstrap) so its pytest11 entry point is registered"
+        )
 
 
 def _needs_broker(item: pytest.Item) -> bool:
-    return "broker" in getattr(item, "fixturenames", ())
+    return "pulsar_broker" in getattr(item, "fixturenames", ())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -44,39 +46,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     )
 
 
-_BROKER: Broker | None = None
-_BROKER_ERROR: BrokerUnavailable | None = None
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    config = session.config
-    if config.getoption("--no-broker-ok") and os.environ.get("CI"):
-        raise pytest.UsageError("--no-broker-ok is refused under CI: a missing broker must fail")
-
-
 @pytest.fixture(scope="session")
-def broker(request: pytest.FixtureRequest) -> Broker:
+def broker(pulsar_broker: Broker) -> Broker:
     """The session's real broker; fails the test (never skips) when there is none."""
-    global _BROKER, _BROKER_ERROR
-    if _BROKER is None and _BROKER_ERROR is None:
-        try:
-            _BROKER = provide_broker(
-                request.config.getoption("--pulsar-url"),
-                request.config.getoption("--pulsar-admin-url"),
-            )
-        except BrokerUnavailable as exc:
-            _BROKER_ERROR = exc
-    if _BROKER_ERROR is not None:
-        if request.config.getoption("--no-broker-ok"):
-            pytest.xfail(f"no broker and --no-broker-ok given: {_BROKER_ERROR}")
-        pytest.fail(str(_BROKER_ERROR), pytrace=False)
-    assert _BROKER is not None
-    return _BROKER
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _BROKER is not None:
-        _BROKER.stop()
+    return pulsar_broker
 
 
 @pytest.fixture
@@ -90,7 +63,6 @@ def admin_url(broker: Broker) -> str:
 
 
 @pytest.fixture
-def topic(request: pytest.FixtureRequest) -> str:
+def topic(state_topic: str) -> str:
     """A fresh topic name for this test."""
-    name = request.node.name.replace("[", "-").replace("]", "").replace("/", "-")[:60]
-    return f"persistent://public/default/test-{name}-{uuid.uuid4().hex[:8]}"
+    return state_topic

@@ -66,7 +66,8 @@ async def test_reader_from_earliest_sees_whole_history(
 
 
 def test_broker_keeps_history(broker: Broker, topic: str) -> None:
-    """Infinite retention and no inactive-topic deletion, as scripts/broker-settings.env says."""
+    """Infinite retention and no inactive-topic deletion, as the broker settings say
+    (pulsar_state/testing/broker-settings.env)."""
     local = topic.split("/")[-1]
     admin_request(broker.admin_url, "PUT", f"/admin/v2/persistent/public/default/{local}")
     base = f"/admin/v2/persistent/public/default/{local}"

@@ -1,0 +1,943 @@
+"""``pulsar-state``: inspect and repair replicated state from a shell (the ``cli`` extra).
+
+Like ``etcdctl`` for etcd: map commands (get, put, del, ls, dump, load, watch) work on a
+:class:`~recipes.PulsarMap` topic; ``log``, ``status``, ``snapshot list|verify`` and ``doctor``
+work on any state topic. Data goes to stdout, logs to stderr. Exit codes, for scripts:
+
+* 0: done;
+* 1: the key is absent (``get``, ``del``);
+* 2: bad usage or bad input (nothing was written);
+* 3: the operation failed (the library's error, one line on stderr);
+* 4: ``doctor`` or ``status`` found a setting that would lose history;
+* 130: interrupted (Ctrl-C).
+
+A layer above the map recipe: it imports ``recipes`` and reads a few of the core's private
+modules (the record wire format, the admin REST client) to show what no public API shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import datetime
+import json
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
+
+try:
+    import click
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise SystemExit(
+        "pulsar-state: the command needs click: pip install 'pulsar-state[cli]'"
+    ) from exc
+
+from pulsar_state import (
+    AvroCodec,
+    BytesCodec,
+    Codec,
+    CodecError,
+    ConfigurationError,
+    JsonCodec,
+    PulsarStateError,
+    ReplayProgress,
+    SharedStateManager,
+    StrCodec,
+)
+from pulsar_state._admin import AdminClient, TopicName, default_admin_url
+from pulsar_state._envelope import decode_record
+
+from ._map_ops import MapVersion
+from .map import PulsarMap
+
+__all__ = ["main"]
+
+EXIT_OK = 0
+EXIT_ABSENT = 1
+EXIT_USAGE = 2
+EXIT_FAILED = 3
+EXIT_UNSAFE = 4
+EXIT_INTERRUPTED = 130
+
+T = TypeVar("T")
+
+logger = logging.getLogger("pulsar_state.cli")
+
+# ---------------------------------------------------------------- codecs and JSON forms
+
+# Each codec with how its values look on the command line and in JSON output: bytes travel as
+# base64 so that no byte is lost in a shell or a JSON line.
+CODECS = ("str", "json", "bytes")
+
+
+def _codec(name: str) -> Codec[Any]:
+    if name == "str":
+        return StrCodec()
+    if name == "json":
+        return JsonCodec()
+    return BytesCodec()
+
+
+def _parse(text: str, codec: str, what: str) -> Any:
+    """A key or value given on the command line, in the codec's form."""
+    if codec == "str":
+        return text
+    if codec == "bytes":  # "json" and "avro" values are JSON
+        try:
+            return base64.b64decode(text, validate=True)
+        except binascii.Error as exc:
+            raise BadInput(f"{what} {text!r} is not base64 (bytes codec): {exc}") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadInput(
+            f"{what} {text!r} is not JSON ({exc}); quote strings ('\"text\"') "
+            "or choose another codec (--value-codec str)"
+        ) from exc
+
+
+def _from_json(item: Any, codec: str, what: str) -> Any:
+    """A key or value read from a JSON line (``load``): the form ``_to_json`` wrote."""
+    if codec == "bytes":
+        if not isinstance(item, str):
+            raise BadInput(f"{what} must be a base64 string (bytes codec), not {item!r}")
+        return _parse(item, "bytes", what)
+    if codec == "str" and not isinstance(item, str):
+        raise BadInput(f"{what} must be a string (str codec), not {item!r}")
+    return item
+
+
+def _to_json(item: Any) -> Any:
+    return base64.b64encode(item).decode("ascii") if isinstance(item, bytes) else item
+
+
+def _text(item: Any) -> str:
+    """How a key or value prints in text output: strings bare, bytes base64, the rest JSON."""
+    if isinstance(item, str):
+        return item
+    if isinstance(item, bytes):
+        return base64.b64encode(item).decode("ascii")
+    return json.dumps(item, ensure_ascii=False, sort_keys=True)
+
+
+def _version(version: MapVersion) -> dict[str, int]:
+    """A key's version (what replace_version takes) and the position of the write behind it."""
+    return {"version": int(version), "position": version.position}
+
+
+def _dumps(document: Any) -> str:
+    return json.dumps(document, ensure_ascii=False, sort_keys=True)
+
+
+class BadInput(Exception):
+    """Input the command refuses before writing anything (exit 2)."""
+
+
+# ---------------------------------------------------------------- options shared by commands
+
+
+@dataclass
+class Settings:
+    service_url: str
+    admin_url: str
+    topic: str | None
+    output: str
+    key_codec: str
+    value_codec: str  # one of CODECS, or "avro" with value_schema
+    timeout: float
+    value_schema: dict[str, Any] | None = None
+
+    def values(self) -> Codec[Any]:
+        if self.value_schema is not None:
+            return AvroCodec(self.value_schema)
+        return _codec(self.value_codec)
+
+    def need_topic(self) -> str:
+        if not self.topic:
+            raise BadInput("no topic: pass -t/--topic TOPIC or set PULSAR_STATE_TOPIC")
+        return self.topic
+
+    def open_map(self, *, snapshots: bool = False) -> PulsarMap[Any, Any]:
+        return PulsarMap(
+            self.service_url,
+            self.need_topic(),
+            key_codec=_codec(self.key_codec),
+            value_codec=self.values(),
+            snapshots=snapshots,
+            admin_url=self.admin_url,
+            on_progress=_show_progress,
+            name="pulsar-state-cli",
+            open_timeout_s=self.timeout,
+            write_timeout_s=self.timeout,
+            read_timeout_s=self.timeout,
+        )
+
+    @property
+    def json(self) -> bool:
+        return self.output == "json"
+
+
+def _show_progress(progress: ReplayProgress) -> None:
+    """A long replay's progress on stderr, only for a person watching (a TTY)."""
+    if not sys.stderr.isatty():
+        return
+    total = "?" if progress.records_total is None else str(progress.records_total)
+    end = "\n" if progress.done else ""
+    click.echo(f"\rreplaying: {progress.records_read}/{total} records", err=True, nl=False)
+    click.echo(end, err=True, nl=False)
+
+
+def _emit(line: str) -> None:
+    click.echo(line)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    # One line, whatever the message holds (some library errors quote multi-line details).
+    click.echo(f"pulsar-state: {' '.join(message.split())}", err=True)
+    sys.exit(code)
+
+
+def _guard(work: Callable[[], T], timeout: float) -> T:
+    """Run one command's work; the library's errors become one line and an exit code."""
+    try:
+        return work()
+    except BadInput as exc:
+        _fail(str(exc), EXIT_USAGE)
+    except (ConfigurationError, CodecError) as exc:  # input refused before any write
+        _fail(f"{type(exc).__name__}: {exc}", EXIT_USAGE)
+    except PulsarStateError as exc:
+        _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+    except TimeoutError:
+        _fail(f"timed out (--timeout {timeout:g}s per step)", EXIT_FAILED)
+    except KeyboardInterrupt:
+        _fail("interrupted", EXIT_INTERRUPTED)
+
+
+def _run(settings: Settings, work: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine under :func:`_guard`, bounded by a few steps' time."""
+    return _guard(lambda: asyncio.run(_bounded(work(), settings.timeout * 4)), settings.timeout)
+
+
+def _checked(settings: Settings, work: Callable[[], T]) -> T:
+    """Input checks before any broker call: bad input exits 2."""
+    return _guard(work, settings.timeout)
+
+
+async def _bounded(work: Awaitable[T], timeout: float) -> T:
+    async with asyncio.timeout(timeout):
+        return await work
+
+
+async def _with_map(settings: Settings, use: Callable[[PulsarMap[Any, Any]], Awaitable[T]]) -> T:
+    async with settings.open_map() as state_map:
+        return await use(state_map)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--service-url",
+    envvar="PULSAR_SERVICE_URL",
+    default="pulsar://127.0.0.1:6650",
+    show_default=True,
+    help="The broker (env PULSAR_SERVICE_URL).",
+)
+@click.option(
+    "--admin-url",
+    envvar="PULSAR_ADMIN_URL",
+    help="Its admin REST URL (env PULSAR_ADMIN_URL; default derived from the service URL).",
+)
+@click.option(
+    "-t", "--topic", envvar="PULSAR_STATE_TOPIC", help="The state topic (env PULSAR_STATE_TOPIC)."
+)
+@click.option(
+    "-o",
+    "-w",
+    "--output",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Output format (-w as in etcdctl).",
+)
+@click.option(
+    "--key-codec", type=click.Choice(CODECS), default="str", show_default=True, help="Map keys."
+)
+@click.option(
+    "--value-codec",
+    type=click.Choice(CODECS),
+    default="json",
+    show_default=True,
+    help="Map values (bytes: base64 on the command line and in JSON).",
+)
+@click.option(
+    "--value-schema",
+    type=click.File("r", encoding="utf-8"),
+    help="An Avro schema file (.avsc): values are Avro records, given and shown as JSON.",
+)
+@click.option(
+    "--timeout", type=float, default=30.0, show_default=True, help="Seconds per broker step."
+)
+@click.option(
+    "-v", "--verbose", count=True, help="Show the library's logs on stderr (-v info, -vv debug)."
+)
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    service_url: str,
+    admin_url: str | None,
+    topic: str | None,
+    output: str,
+    key_codec: str,
+    value_codec: str,
+    value_schema: Any,
+    timeout: float,
+    verbose: int,
+) -> None:
+    """Inspect and change pulsar-state topics and PulsarMaps."""
+    # Without -v only the final error line speaks: it carries the library's message, which the
+    # library also logs (a halt, say) and would otherwise be said twice.
+    level = {0: logging.CRITICAL, 1: logging.INFO}.get(verbose, logging.DEBUG)
+    logging.basicConfig(
+        stream=sys.stderr, level=level, format="%(levelname)s %(name)s: %(message)s"
+    )
+    ctx.obj = Settings(
+        service_url=service_url,
+        admin_url=admin_url or default_admin_url(service_url),
+        topic=topic,
+        output=output,
+        key_codec=key_codec,
+        value_codec=value_codec,
+        timeout=timeout,
+    )
+    if value_schema is not None:
+        try:
+            ctx.obj.value_schema = json.load(value_schema)
+        except json.JSONDecodeError as exc:
+            _fail(f"--value-schema {value_schema.name}: not JSON ({exc})", EXIT_USAGE)
+        ctx.obj.value_codec = "avro"
+
+
+pass_settings = click.make_pass_decorator(Settings)
+
+
+# ---------------------------------------------------------------- map commands
+
+
+@cli.command()
+@click.argument("key")
+@pass_settings
+def get(settings: Settings, key: str) -> None:
+    """Print KEY's value (latest, linearizable). Exit 1 when absent."""
+    wanted = _checked(settings, lambda: _parse(key, settings.key_codec, "key"))
+
+    async def work(state_map: PulsarMap[Any, Any]) -> Any:
+        return await state_map.entry(wanted, latest=True)
+
+    entry = _run(settings, lambda: _with_map(settings, work))
+    if entry is None:
+        _fail(f"key {key!r} is absent", EXIT_ABSENT)
+    if settings.json:
+        _emit(
+            _dumps(
+                {"key": _to_json(wanted), "value": _to_json(entry.value), **_version(entry.version)}
+            )
+        )
+    else:
+        _emit(_text(entry.value))
+
+
+@cli.command()
+@click.argument("key")
+@click.argument("value")
+@pass_settings
+def put(settings: Settings, key: str, value: str) -> None:
+    """Bind KEY to VALUE (in the value codec's form: JSON by default)."""
+
+    new_key, new_value = _checked(
+        settings,
+        lambda: (
+            _parse(key, settings.key_codec, "key"),
+            _parse(value, settings.value_codec, "value"),
+        ),
+    )
+
+    async def work(state_map: PulsarMap[Any, Any]) -> MapVersion:
+        return await state_map.put(new_key, new_value, timeout=settings.timeout)
+
+    version = _run(settings, lambda: _with_map(settings, work))
+    if settings.json:
+        _emit(_dumps({"key": _to_json(new_key), **_version(version)}))
+    else:
+        _emit(f"OK version {int(version)} (position {version.position})")
+
+
+@cli.command(name="del")
+@click.argument("key")
+@pass_settings
+def delete(settings: Settings, key: str) -> None:
+    """Remove KEY. Exit 1 when it was absent (nothing written)."""
+    wanted = _checked(settings, lambda: _parse(key, settings.key_codec, "key"))
+
+    async def work(state_map: PulsarMap[Any, Any]) -> tuple[bool, int]:
+        deleted = await state_map.delete(wanted, timeout=settings.timeout)
+        return deleted, state_map.position
+
+    deleted, position = _run(settings, lambda: _with_map(settings, work))
+    if settings.json:
+        _emit(_dumps({"key": _to_json(wanted), "deleted": deleted, "position": position}))
+    elif deleted:
+        _emit("OK deleted")
+    if not deleted:
+        _fail(f"key {key!r} is absent", EXIT_ABSENT)
+
+
+def _matches(key: Any, prefix: Any) -> bool:
+    return prefix is None or (isinstance(key, type(prefix)) and key.startswith(prefix))
+
+
+def _prefix(settings: Settings, prefix: str | None) -> Any:
+    if prefix is None:
+        return None
+    if settings.key_codec == "bytes":
+        return _parse(prefix, "bytes", "prefix")
+    return prefix  # str keys, and the str keys of a JSON-keyed map
+
+
+@cli.command(name="ls")
+@click.option("--prefix", help="Only keys starting with this (str keys; base64 for bytes).")
+@pass_settings
+def list_keys(settings: Settings, prefix: str | None) -> None:
+    """List the keys (latest), in key order."""
+    start = _checked(settings, lambda: _prefix(settings, prefix))
+
+    async def work(state_map: PulsarMap[Any, Any]) -> list[Any]:
+        return [k for k in await state_map.list_keys(latest=True) if _matches(k, start)]
+
+    keys = _run(settings, lambda: _with_map(settings, work))
+    if settings.json:
+        _emit(_dumps([_to_json(k) for k in keys]))
+    else:
+        for k in keys:
+            _emit(_text(k))
+
+
+@cli.command()
+@click.option("--prefix", help="Only keys starting with this.")
+@pass_settings
+def dump(settings: Settings, prefix: str | None) -> None:
+    """Write every entry (latest, one consistent state) as JSON lines: key, value, version.
+
+    The map's position goes to stderr. ``load`` reads this format back.
+    """
+    start = _checked(settings, lambda: _prefix(settings, prefix))
+
+    async def work(state_map: PulsarMap[Any, Any]) -> tuple[list[Any], int]:
+        entries = await state_map.entries(latest=True)
+        return [e for e in entries if _matches(e[0], start)], state_map.position
+
+    entries, position = _run(settings, lambda: _with_map(settings, work))
+    for key, entry in entries:
+        _emit(
+            _dumps(
+                {"key": _to_json(key), "value": _to_json(entry.value), **_version(entry.version)}
+            )
+        )
+    click.echo(f"dumped {len(entries)} entries at position {position}", err=True)
+
+
+def _read_entries(settings: Settings, source: Iterator[str]) -> list[tuple[Any, Any]]:
+    entries: list[tuple[Any, Any]] = []
+    for number, line in enumerate(source, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadInput(f"line {number}: not JSON ({exc})") from exc
+        if not isinstance(item, dict) or "key" not in item or "value" not in item:
+            raise BadInput(
+                f'line {number}: expected {{"key": ..., "value": ...}}, got {line.strip()[:80]}'
+            )
+        if item["value"] is None:
+            raise BadInput(f"line {number}: value null means absent; leave the line out")
+        entries.append(
+            (
+                _from_json(item["key"], settings.key_codec, f"line {number}: key"),
+                _from_json(item["value"], settings.value_codec, f"line {number}: value"),
+            )
+        )
+    return entries
+
+
+@cli.command()
+@click.argument("source", type=click.File("r", encoding="utf-8"), default="-")
+@click.option(
+    "--chunk",
+    type=click.IntRange(min=1),
+    help="Write N entries per atomic write (each chunk all or nothing) instead of one write.",
+)
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="Also delete the keys not in SOURCE (a restore); atomic with the load unless --chunk.",
+)
+@pass_settings
+def load(settings: Settings, source: Any, chunk: int | None, replace: bool) -> None:
+    """Put the entries of SOURCE (JSON lines as ``dump`` writes; default stdin).
+
+    Every line is checked before anything is written. Without --chunk all entries go in one
+    atomic write; with it, each chunk is atomic and a failure names the chunks applied.
+    """
+
+    entries = _checked(settings, lambda: _read_entries(settings, iter(source)))
+    keys = {k for k, _ in entries}
+    if len(keys) != len(entries):
+        _fail("SOURCE names a key twice: refusing an ambiguous load", EXIT_USAGE)
+
+    async def work(state_map: PulsarMap[Any, Any]) -> int:
+        if chunk is None:
+            if replace:
+                wanted = dict(entries)
+
+                def restore(current: Any) -> dict[Any, Any]:
+                    stale = {k: None for k in current if k not in wanted}
+                    return {**stale, **wanted}
+
+                await state_map.transact(restore, timeout=settings.timeout)
+            elif entries:
+                await state_map.put_all(entries, timeout=settings.timeout)
+            return state_map.position
+        if replace:
+            for key in await state_map.list_keys(latest=True):
+                if key not in keys:
+                    await state_map.delete(key, timeout=settings.timeout)
+        done = 0
+        for begin in range(0, len(entries), chunk):
+            part = entries[begin : begin + chunk]
+            try:
+                await state_map.put_all(part, timeout=settings.timeout)
+            except PulsarStateError as exc:
+                raise type(exc)(
+                    f"{exc} (chunk {begin // chunk + 1} failed; entries 1-{done} were loaded, "
+                    f"entries {done + 1}-{len(entries)} were not)"
+                ) from exc
+            done += len(part)
+            click.echo(f"loaded {done}/{len(entries)} entries", err=True)
+        return state_map.position
+
+    position = _run(settings, lambda: _with_map(settings, work))
+    if settings.json:
+        _emit(_dumps({"loaded": len(entries), "position": position}))
+    else:
+        _emit(f"OK loaded {len(entries)} entries, position {position}")
+
+
+@cli.command()
+@click.option("--prefix", help="Only keys starting with this.")
+@click.option("--key", "one_key", help="Only this key.")
+@click.option("--no-initial", is_flag=True, help="Only changes, not the current entries first.")
+@pass_settings
+def watch(settings: Settings, prefix: str | None, one_key: str | None, no_initial: bool) -> None:
+    """Print each change as a JSON line (the current entries first) until Ctrl-C."""
+
+    async def work(state_map: PulsarMap[Any, Any]) -> None:
+        key = None if one_key is None else _parse(one_key, settings.key_codec, "key")
+        async with state_map.changes(
+            key=key, prefix=_prefix(settings, prefix), snapshot=not no_initial
+        ) as changes:
+            async for event in changes:
+                document = {
+                    "kind": event.kind,
+                    "key": _to_json(event.key),
+                    "value": _to_json(event.value),
+                    "position": event.position,
+                    "initial": event.initial,
+                }
+                _emit(_dumps(document))
+                sys.stdout.flush()
+
+    try:
+        asyncio.run(_with_map(settings, work))
+    except KeyboardInterrupt:
+        sys.exit(EXIT_OK)  # Ctrl-C is how a watch ends
+    except BadInput as exc:
+        _fail(str(exc), EXIT_USAGE)
+    except PulsarStateError as exc:
+        _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+
+
+# ---------------------------------------------------------------- any state topic
+
+
+def _client(settings: Settings) -> Any:
+    import pulsar
+
+    return pulsar.Client(
+        settings.service_url,
+        operation_timeout_seconds=max(1, int(settings.timeout)),
+        logger=logging.getLogger("pulsar"),
+    )
+
+
+def _read_all(settings: Settings, topic: str, limit: int | None = None) -> Iterator[Any]:
+    """The topic's messages from the first, up to its tail as of now (blocking client)."""
+    import pulsar
+
+    client = _client(settings)
+    try:
+        reader = client.create_reader(topic, pulsar.MessageId.earliest)
+        count = 0
+        while (limit is None or count < limit) and reader.has_message_available():
+            yield reader.read_next(timeout_millis=int(settings.timeout * 1000))
+            count += 1
+        reader.close()
+    except pulsar.PulsarException as exc:
+        raise _BrokerFailure(f"reading {topic}: {exc}") from exc
+    finally:
+        client.close()
+
+
+class _BrokerFailure(PulsarStateError):
+    """A raw client call failed (the CLI's own reads)."""
+
+
+class UndecodableOpError(PulsarStateError):
+    """``log --ops map`` met an op that the chosen codecs cannot decode."""
+
+
+def _map_op_decoder(settings: Settings) -> Callable[[bytes], dict[str, Any]]:
+    from ._map_ops import MapCodecs, MapOpCodec
+
+    codec = MapOpCodec(MapCodecs(_codec(settings.key_codec), settings.values()))
+
+    def decode(data: bytes) -> dict[str, Any]:
+        try:
+            op = codec.decode(data)
+        except CodecError as exc:  # stored data, not the user's input: not an exit 2
+            raise UndecodableOpError(
+                f"an op on the topic does not decode with these codecs ({exc}); "
+                "choose the map's --key-codec/--value-codec, or --ops raw"
+            ) from exc
+        shown: dict[str, Any] = {"op": op.kind}
+        if op.kind != "CLEAR":
+            shown["key"] = _to_json(op.key)
+        if op.kind == "PUT":
+            shown["value"] = _to_json(op.value)
+        return shown
+
+    return decode
+
+
+@cli.command()
+@click.option(
+    "--ops",
+    type=click.Choice(["raw", "map"]),
+    default="raw",
+    show_default=True,
+    help="Show ops as base64 bytes, or decoded as PulsarMap ops with the map codecs.",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="At most N records.")
+@pass_settings
+def log(settings: Settings, ops: str, limit: int | None) -> None:
+    """Decode the records of a state topic, oldest first: position, writer, time, ops.
+
+    ``position`` is the version the record made (null for a record every replica rejects:
+    a stale or fenced writer's, harmless).
+    """
+
+    def records() -> Iterator[dict[str, Any]]:
+        show: Callable[[bytes], Any] = _map_op_decoder(settings) if ops == "map" else _to_json
+        accepted, last_id = 0, ""
+        for message in _read_all(settings, settings.need_topic(), limit):
+            message_id = message.message_id()
+            published = datetime.datetime.fromtimestamp(
+                message.publish_timestamp() / 1000, tz=datetime.UTC
+            )
+            record = decode_record(message.data(), message_id=str(message_id))
+            # The same compare-and-set every replica applies (see pulsar_state._envelope).
+            taken = record.base_position == accepted and record.base_record_id == last_id
+            if taken:
+                accepted, last_id = accepted + 1, record.record_id
+            yield {
+                "position": accepted if taken else None,
+                "log_position": f"{message_id.ledger_id()}:{message_id.entry_id()}",
+                "record_id": record.record_id,
+                "writer": record.writer_id,
+                "time": published.isoformat(timespec="milliseconds"),
+                "writes": [[show(op) for op in write.ops] for write in record.writes],
+            }
+
+    def collect() -> None:
+        for document in records():
+            if settings.json:
+                _emit(_dumps(document))
+            else:
+                state = document["position"] if document["position"] is not None else "rejected"
+                ops_text = " | ".join(
+                    ", ".join(_text(op) for op in write) for write in document["writes"]
+                )
+                _emit(
+                    f"{state}\t{document['log_position']}\t{document['time']}\t"
+                    f"{document['writer']}\t{ops_text}"
+                )
+
+    _guard(collect, settings.timeout)
+
+
+@cli.command()
+@pass_settings
+def status(settings: Settings) -> None:
+    """The topic's replicated state: position, records, tail, writer, readers, policies."""
+
+    async def work() -> dict[str, Any]:
+        topic = TopicName.parse(settings.need_topic())
+        admin = AdminClient(settings.admin_url)
+        try:
+            code, _ = await admin.get(topic.rest_path + "/stats")
+            if code == 404:
+                raise BadInput(f"{topic} does not exist")
+            stats = await admin.get_ok(topic.rest_path + "/stats")
+            tail = await admin.last_position(topic)
+            try:
+                await admin.check_topic(topic)
+                policies = "ok"
+            except PulsarStateError as exc:
+                policies = str(exc)
+        finally:
+            await admin.close()
+        # The version: a replica counts the accepted records (a replay with raw ops).
+        manager: SharedStateManager[None, bytes] = SharedStateManager(
+            settings.service_url,
+            str(topic),
+            initial_state=lambda: None,
+            apply=lambda state, op: state,
+            codec=BytesCodec(),
+            admin_url=settings.admin_url,
+            copy_state=None,
+            check_topic=False,
+            open_timeout_s=settings.timeout,
+            on_progress=_show_progress,
+        )
+        async with manager:
+            position, counters = manager.position, manager.stats
+        publishers = stats.get("publishers", [])
+        return {
+            "topic": str(topic),
+            "position": position,
+            "records": counters.records_read,
+            "records_rejected": counters.records_rejected,
+            "bytes": counters.bytes_read,
+            "tail": None if tail is None else f"{tail.ledger}:{tail.entry}",
+            # The exclusive producer, if a writer holds it now: which client, since when.
+            "writer": [
+                {k: p.get(k) for k in ("producerName", "address", "connectedSince")}
+                for p in publishers
+            ]
+            or None,
+            "readers": sum(
+                len(sub.get("consumers", [])) for sub in stats.get("subscriptions", {}).values()
+            ),
+            "storage_bytes": stats.get("storageSize"),
+            "policies": policies,
+        }
+
+    report = _run(settings, work)
+    if settings.json:
+        _emit(_dumps(report))
+    else:
+        for name, value in report.items():
+            _emit(f"{name}: {value if value is not None else '-'}")
+    if report["policies"] != "ok":
+        sys.exit(EXIT_UNSAFE)
+
+
+# What the library needs of the broker, with why; compared with the broker's runtime settings.
+REQUIRED_BROKER_SETTINGS: dict[str, tuple[str, str]] = {
+    "defaultRetentionTimeInMinutes": ("-1", "readers hold no data: history would be trimmed"),
+    "defaultRetentionSizeInMB": ("-1", "readers hold no data: history would be trimmed"),
+    "brokerDeleteInactiveTopicsEnabled": ("false", "an idle state topic would be deleted"),
+    "allowAutoTopicCreationType": ("non-partitioned", "state needs one log, one order"),
+    "brokerServiceCompactionThresholdInBytes": ("0", "compaction would drop history"),
+}
+
+
+@cli.command()
+@pass_settings
+def doctor(settings: Settings) -> None:
+    """Check the broker (and --topic's policies) against what the library needs.
+
+    Prints each check and, for each failure, what to change. Exit 4 when one fails.
+    """
+
+    async def work() -> list[dict[str, Any]]:
+        admin = AdminClient(settings.admin_url)
+        checks: list[dict[str, Any]] = []
+        try:
+            runtime = await admin.get_ok("/admin/v2/brokers/configuration/runtime")
+            for name, (wanted, why) in REQUIRED_BROKER_SETTINGS.items():
+                actual = runtime.get(name)
+                fine = actual is not None and str(actual).lower() == wanted
+                checks.append(
+                    {
+                        "check": f"broker {name}",
+                        "ok": fine,
+                        "actual": actual,
+                        "fix": None if fine else f"set {name}={wanted} in broker.conf ({why})",
+                    }
+                )
+            if settings.topic:
+                topic = TopicName.parse(settings.topic)
+                try:
+                    await admin.check_topic(topic)
+                    checks.append(
+                        {"check": f"topic {topic}", "ok": True, "actual": None, "fix": None}
+                    )
+                except PulsarStateError as exc:
+                    checks.append(
+                        {"check": f"topic {topic}", "ok": False, "actual": None, "fix": str(exc)}
+                    )
+        finally:
+            await admin.close()
+        return checks
+
+    checks = _run(settings, work)
+    for check in checks:
+        if settings.json:
+            _emit(_dumps(check))
+        else:
+            mark = "ok  " if check["ok"] else "FAIL"
+            _emit(f"{mark} {check['check']}" + ("" if check["ok"] else f": {check['fix']}"))
+    if not all(check["ok"] for check in checks):
+        sys.exit(EXIT_UNSAFE)
+
+
+@cli.group()
+def snapshot() -> None:
+    """The snapshots of a state topic (written by managers with a snapshot_codec)."""
+
+
+async def _with_snapshots(settings: Settings, use: Callable[[Any], Awaitable[T]]) -> T:
+    from pulsar_state._pulsar import PulsarConnection
+    from pulsar_state._snapshots import SnapshotStore
+
+    conn = PulsarConnection(settings.service_url, operation_timeout_s=settings.timeout)
+    admin = AdminClient(settings.admin_url)
+    try:
+        store = SnapshotStore(
+            conn,
+            admin,
+            TopicName.parse(settings.need_topic()),
+            chunk_bytes=1024 * 1024,
+            timeout_s=settings.timeout,
+        )
+        return await use(store)
+    finally:
+        await admin.close()
+        await conn.close()
+
+
+def _manifest_json(manifest: Any) -> dict[str, Any]:
+    return {
+        "snapshot_id": manifest.snapshot_id,
+        "position": manifest.position,
+        "size": manifest.size,
+        "chunks": manifest.chunks,
+        "digest": manifest.digest,
+        "created_at": datetime.datetime.fromtimestamp(
+            manifest.created_at, tz=datetime.UTC
+        ).isoformat(timespec="seconds"),
+        "writer": manifest.writer_id,
+    }
+
+
+@snapshot.command(name="list")
+@pass_settings
+def snapshot_list(settings: Settings) -> None:
+    """The complete snapshots, oldest first (from ``<topic>-snapshot-index``)."""
+
+    async def work(store: Any) -> list[dict[str, Any]]:
+        return [_manifest_json(m) for m in await store.manifests()]
+
+    manifests = _run(settings, lambda: _with_snapshots(settings, work))
+    if settings.json:
+        _emit(_dumps(manifests))
+    else:
+        for m in manifests:
+            _emit(
+                f"{m['snapshot_id']}\tposition {m['position']}\t{m['size']} bytes\t"
+                f"{m['created_at']}"
+            )
+
+
+@snapshot.command(name="take")
+@pass_settings
+def snapshot_take(settings: Settings) -> None:
+    """Write a snapshot of a PulsarMap now (with the map's codecs); prints its position."""
+
+    async def work() -> int:
+        async with settings.open_map(snapshots=True) as state_map:
+            return await state_map.snapshot(timeout=settings.timeout)
+
+    position = _run(settings, work)
+    if settings.json:
+        _emit(_dumps({"position": position}))
+    else:
+        _emit(f"OK snapshot at position {position}")
+
+
+@snapshot.command(name="verify")
+@click.argument("snapshot_id", required=False)
+@pass_settings
+def snapshot_verify(settings: Settings, snapshot_id: str | None) -> None:
+    """Read every snapshot (or SNAPSHOT_ID) and check its chunks and digest. Exit 3 if one fails."""
+
+    async def work(store: Any) -> list[dict[str, Any]]:
+        manifests = await store.manifests()
+        if snapshot_id is not None:
+            manifests = [m for m in manifests if m.snapshot_id == snapshot_id]
+            if not manifests:
+                raise BadInput(f"no snapshot {snapshot_id} on {settings.need_topic()}")
+        results = []
+        for manifest in manifests:
+            try:
+                await store.load(manifest)
+                problem = None
+            except PulsarStateError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            results.append({**_manifest_json(manifest), "ok": problem is None, "error": problem})
+        return results
+
+    results = _run(settings, lambda: _with_snapshots(settings, work))
+    for result in results:
+        if settings.json:
+            _emit(_dumps(result))
+        else:
+            verdict = "ok" if result["ok"] else f"FAIL {result['error']}"
+            _emit(f"{result['snapshot_id']}\tposition {result['position']}\t{verdict}")
+    failed = sum(not result["ok"] for result in results)
+    if failed:
+        _fail(f"{failed} of {len(results)} snapshots failed verification", EXIT_FAILED)
+
+
+def main() -> NoReturn:
+    """The console script's entry point."""
+    try:
+        cli.main(prog_name="pulsar-state")
+        code = EXIT_OK
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or EXIT_OK
+        else:
+            click.echo(exc.code, err=True)
+            code = EXIT_FAILED
+    # Everything is closed by now. The Pulsar C++ client can still abort (SIGABRT,
+    # "terminate called without an active exception") while the interpreter tears its threads
+    # down, about once in 30 runs here: that would replace the exit code scripts test. So
+    # flush and leave without the teardown.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,348 @@
+"""The pulsar-state command, run as users run it (the installed console script, in a
+subprocess) against the real broker: exit codes, stdout JSON, one-line errors on stderr."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pulsar_state import JsonCodec
+from pulsar_state.testing import Broker, admin_request
+from tests.core.helpers import counter_manager, incr
+
+COMMAND = Path(sys.executable).with_name("pulsar-state")
+
+
+def pulsar_state(
+    broker: Broker, topic: str | None, *args: str, stdin: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
+    env["PULSAR_ADMIN_URL"] = broker.admin_url
+    env.pop("PULSAR_STATE_TOPIC", None)
+    topic_args = ["-t", topic] if topic else []
+    return subprocess.run(
+        [str(COMMAND), *topic_args, *args],
+        input=stdin,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr}"
+    return result.stdout
+
+
+def one_error_line(result: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
+    """The command failed with ``code`` and said why in one line, with no traceback."""
+    assert result.returncode == code, f"exit {result.returncode}: {result.stdout}{result.stderr}"
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("pulsar-state: "), lines
+    assert "Traceback" not in result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def log_records(broker: Broker, topic: str) -> list[dict[str, Any]]:
+    out = ok(pulsar_state(broker, topic, "-o", "json", "log", "--ops", "map"))
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_put_get_ls_del(broker: Broker, topic: str) -> None:
+    put = json.loads(ok(pulsar_state(broker, topic, "-o", "json", "put", "a", '{"x": 1}')))
+    assert put["key"] == "a"
+    assert put["position"] == 1
+    version = put["version"]  # a MapVersion: what replace_version takes
+    assert ok(pulsar_state(broker, topic, "put", "ab", "[1, 2]")).endswith("(position 2)\n")
+    ok(pulsar_state(broker, topic, "put", "b", '"text"'))
+
+    got = json.loads(ok(pulsar_state(broker, topic, "-w", "json", "get", "a")))
+    assert got == {"key": "a", "value": {"x": 1}, "version": version, "position": 1}
+    assert ok(pulsar_state(broker, topic, "get", "b")) == "text\n"
+    assert ok(pulsar_state(broker, topic, "get", "ab")) == "[1, 2]\n"
+
+    assert ok(pulsar_state(broker, topic, "ls")) == "a\nab\nb\n"
+    assert json.loads(ok(pulsar_state(broker, topic, "-o", "json", "ls", "--prefix", "a"))) == [
+        "a",
+        "ab",
+    ]
+
+    deleted = json.loads(ok(pulsar_state(broker, topic, "-o", "json", "del", "a")))
+    assert deleted["deleted"] is True
+    one_error_line(pulsar_state(broker, topic, "get", "a"), 1, "absent")
+    one_error_line(pulsar_state(broker, topic, "del", "a"), 1, "absent")
+    assert json.loads(ok(pulsar_state(broker, topic, "-o", "json", "ls"))) == ["ab", "b"]
+
+
+def test_bad_input_exits_2_and_writes_nothing(broker: Broker, topic: str) -> None:
+    ok(pulsar_state(broker, topic, "put", "k", "1"))
+    one_error_line(pulsar_state(broker, topic, "put", "k", "not json"), 2, "not JSON")
+    one_error_line(
+        pulsar_state(broker, topic, "--value-codec", "bytes", "put", "k", "%%%"), 2, "base64"
+    )
+    one_error_line(pulsar_state(broker, None, "get", "k"), 2, "no topic")
+    assert pulsar_state(broker, topic, "-o", "yaml", "ls").returncode == 2  # click's usage error
+    assert len(log_records(broker, topic)) == 1
+
+
+def test_codecs_by_flags(broker: Broker, topic: str) -> None:
+    raw = bytes(range(256))
+    encoded = base64.b64encode(raw).decode()
+    key = base64.b64encode(b"\x00key").decode()
+    codecs = ["--key-codec", "bytes", "--value-codec", "bytes"]
+    ok(pulsar_state(broker, topic, *codecs, "put", key, encoded))
+    assert ok(pulsar_state(broker, topic, *codecs, "get", key)) == encoded + "\n"
+    got = json.loads(ok(pulsar_state(broker, topic, *codecs, "-o", "json", "get", key)))
+    assert got["key"] == key
+    assert got["value"] == encoded
+
+
+def test_str_codec_takes_text_as_is(broker: Broker, topic: str) -> None:
+    ok(pulsar_state(broker, topic, "--value-codec", "str", "put", "greeting", "hello world"))
+    assert ok(pulsar_state(broker, topic, "--value-codec", "str", "get", "greeting")) == (
+        "hello world\n"
+    )
+    # Read with the wrong codec: the library's own error, one line, exit 3.
+    one_error_line(
+        pulsar_state(broker, topic, "get", "greeting"), 3, "ReplicaHaltedError", "cannot decode"
+    )
+
+
+def test_dump_and_load_restore_atomically(broker: Broker, topic: str) -> None:
+    for key, value in [("a", "1"), ("b", '{"deep": [1]}'), ("c", '"x"')]:
+        ok(pulsar_state(broker, topic, "put", key, value))
+    dumped = ok(pulsar_state(broker, topic, "dump"))
+    lines = [json.loads(line) for line in dumped.splitlines()]
+    assert [(d["key"], d["value"]) for d in lines] == [("a", 1), ("b", {"deep": [1]}), ("c", "x")]
+
+    restored = topic + "-restored"
+    ok(pulsar_state(broker, restored, "put", "stale", "0"))
+    result = json.loads(
+        ok(pulsar_state(broker, restored, "-o", "json", "load", "--replace", stdin=dumped))
+    )
+    assert result["loaded"] == 3
+    again = [json.loads(line) for line in ok(pulsar_state(broker, restored, "dump")).splitlines()]
+    assert [(d["key"], d["value"]) for d in again] == [(d["key"], d["value"]) for d in lines]
+    # One record for the whole restore: the stale key's delete and the three puts together.
+    records = log_records(broker, restored)
+    assert len(records) == 2
+    assert sorted(op["op"] for op in records[1]["writes"][0]) == ["DELETE", "PUT", "PUT", "PUT"]
+
+
+def test_load_in_chunks_and_refuses_bad_files(broker: Broker, topic: str, tmp_path: Path) -> None:
+    entries = [{"key": f"k{i}", "value": i} for i in range(5)]
+    source = tmp_path / "entries.jsonl"
+    source.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    result = pulsar_state(broker, topic, "load", "--chunk", "2", str(source))
+    assert ok(result) == "OK loaded 5 entries, position 3\n"
+    assert "loaded 5/5 entries" in result.stderr
+    assert [len(r["writes"][0]) for r in log_records(broker, topic)] == [2, 2, 1]
+
+    # A bad line anywhere: nothing is written, and the line is named.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"key": "x", "value": 1}\n{"key": "y"}\n')
+    one_error_line(pulsar_state(broker, topic, "load", str(bad)), 2, "line 2")
+    bad.write_text('{"key": "x", "value": 1}\n{"key": "x", "value": 2}\n')
+    one_error_line(pulsar_state(broker, topic, "load", str(bad)), 2, "twice")
+    assert len(log_records(broker, topic)) == 3
+
+
+def test_load_too_large_for_one_record_fails_whole_then_chunks(broker: Broker, topic: str) -> None:
+    value = "v" * 1000
+    lines = "".join(json.dumps({"key": f"k{i:05d}", "value": value}) + "\n" for i in range(1500))
+    one_error_line(pulsar_state(broker, topic, "load", stdin=lines), 3, "RecordTooLargeError")
+    assert log_records(broker, topic) == []  # never half-applied
+    ok(pulsar_state(broker, topic, "load", "--chunk", "500", stdin=lines))
+    assert len(json.loads(ok(pulsar_state(broker, topic, "-o", "json", "ls")))) == 1500
+
+
+def test_log_shows_writer_time_and_ops(broker: Broker, topic: str) -> None:
+    ok(pulsar_state(broker, topic, "put", "a", "1"))
+    ok(pulsar_state(broker, topic, "del", "a"))
+    records = log_records(broker, topic)
+    assert [r["position"] for r in records] == [1, 2]
+    assert records[0]["writes"] == [[{"op": "PUT", "key": "a", "value": 1}]]
+    assert records[1]["writes"] == [[{"op": "DELETE", "key": "a"}]]
+    assert all(r["writer"].startswith("pulsar-state-cli-") for r in records)
+    assert all(r["time"].endswith("+00:00") for r in records)
+    # Raw: the op bytes, base64, for any manager's topic.
+    raw = [
+        json.loads(line)
+        for line in ok(pulsar_state(broker, topic, "-o", "json", "log")).splitlines()
+    ]
+    assert all(isinstance(op, str) for r in raw for write in r["writes"] for op in write)
+    text = ok(pulsar_state(broker, topic, "log", "--limit", "1")).splitlines()
+    assert len(text) == 1
+    assert text[0].startswith("1\t")
+
+
+async def test_status_and_snapshot_list(broker: Broker, topic: str) -> None:
+    # The writer stays held while idle (idle_release_s), so status can name its holder.
+    async with counter_manager(
+        broker.service_url,
+        topic,
+        broker.admin_url,
+        snapshot_codec=JsonCodec(),
+        idle_release_s=120.0,
+        max_hold_s=120.0,
+    ) as manager:
+        for _ in range(3):
+            await manager.write(lambda state: [incr()])
+        manifest = await manager.snapshot()
+        status = json.loads(ok(pulsar_state(broker, topic, "-o", "json", "status")))
+    assert status["position"] == 3
+    assert status["records"] == 3
+    assert status["records_rejected"] == 0
+    assert status["policies"] == "ok"
+    assert status["tail"] is not None
+    [writer] = status["writer"]
+    assert writer["address"]
+    assert writer["connectedSince"]
+    snapshots = json.loads(ok(pulsar_state(broker, topic, "-o", "json", "snapshot", "list")))
+    assert [s["snapshot_id"] for s in snapshots] == [manifest.snapshot_id]
+    assert snapshots[0]["position"] == 3
+
+    verified = json.loads(ok(pulsar_state(broker, topic, "-o", "json", "snapshot", "verify")))
+    assert verified["snapshot_id"] == manifest.snapshot_id
+    assert verified["ok"] is True
+    one_error_line(pulsar_state(broker, topic, "snapshot", "verify", "0" * 32), 2, "no snapshot")
+
+    one_error_line(pulsar_state(broker, topic + "-nothing", "status"), 2, "does not exist")
+    assert (
+        json.loads(ok(pulsar_state(broker, topic + "-x", "-o", "json", "snapshot", "list"))) == []
+    )
+
+
+def test_doctor_passes_then_names_the_fix(broker: Broker, topic: str) -> None:
+    checks = ok(pulsar_state(broker, None, "-o", "json", "doctor")).splitlines()
+    assert checks
+    assert all(json.loads(c)["ok"] for c in checks)
+
+    ok(pulsar_state(broker, topic, "put", "k", "1"))
+    local = topic.split("/")[-1]
+    policy = {"retentionTimeInMinutes": 60, "retentionSizeInMB": 100}
+    path = f"/admin/v2/persistent/public/default/{local}/retention"
+    admin_request(broker.admin_url, "POST", path, policy)
+    for _ in range(100):  # topic policies apply through a system topic, a moment later
+        if admin_request(broker.admin_url, "GET", path + "?applied=true") == policy:
+            break
+        time.sleep(0.1)
+    result = pulsar_state(broker, topic, "doctor")
+    assert result.returncode == 4, result.stdout + result.stderr
+    failing = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    assert len(failing) == 1
+    assert "set-retention" in failing[0]
+    assert pulsar_state(broker, topic, "status").returncode == 4
+
+
+def test_unreachable_broker_is_one_line_exit_3(broker: Broker, topic: str) -> None:
+    result = subprocess.run(
+        [
+            str(COMMAND),
+            "--service-url",
+            "pulsar://127.0.0.1:9",
+            "--admin-url",
+            "http://127.0.0.1:9",
+            "--timeout",
+            "3",
+            "-t",
+            topic,
+            "get",
+            "k",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    one_error_line(result, 3)
+
+
+def test_watch_prints_json_lines_and_ends_on_ctrl_c(broker: Broker, topic: str) -> None:
+    ok(pulsar_state(broker, topic, "put", "a", "1"))
+    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
+    env["PULSAR_ADMIN_URL"] = broker.admin_url
+    watcher = subprocess.Popen(
+        [str(COMMAND), "-t", topic, "watch"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert watcher.stdout is not None
+        first = json.loads(watcher.stdout.readline())
+        assert first == {"kind": "put", "key": "a", "value": 1, "position": 1, "initial": True}
+        ok(pulsar_state(broker, topic, "put", "b", "2"))
+        second = json.loads(watcher.stdout.readline())
+        assert second == {"kind": "put", "key": "b", "value": 2, "position": 2, "initial": False}
+        watcher.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=60) == 0
+        assert watcher.stderr is not None
+        assert "Traceback" not in watcher.stderr.read()
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+
+
+def test_snapshot_take_of_a_map(broker: Broker, topic: str) -> None:
+    ok(pulsar_state(broker, topic, "put", "a", "1"))
+    ok(pulsar_state(broker, topic, "put", "b", "2"))
+    taken = json.loads(ok(pulsar_state(broker, topic, "-o", "json", "snapshot", "take")))
+    assert taken == {"position": 2}
+    [listed] = json.loads(ok(pulsar_state(broker, topic, "-o", "json", "snapshot", "list")))
+    assert listed["position"] == 2
+    assert json.loads(ok(pulsar_state(broker, topic, "-o", "json", "snapshot", "verify")))["ok"]
+    # A map opened from the snapshot still reads every entry.
+    assert json.loads(ok(pulsar_state(broker, topic, "-o", "json", "ls"))) == ["a", "b"]
+
+
+@pytest.mark.parametrize("command", ["get", "put", "del", "ls", "dump", "load", "log", "status",
+                                     "doctor", "watch", "snapshot"])  # fmt: skip
+def test_every_command_has_help(command: str) -> None:
+    result = subprocess.run(
+        [str(COMMAND), command, "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0
+    assert "Usage: pulsar-state" in result.stdout
+
+
+def test_avro_values_by_schema_file(broker: Broker, topic: str, tmp_path: Path) -> None:
+    schema = tmp_path / "job.avsc"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "record",
+                "name": "Job",
+                "fields": [{"name": "name", "type": "string"}, {"name": "tries", "type": "int"}],
+            }
+        )
+    )
+    avro = ["--value-schema", str(schema)]
+    ok(pulsar_state(broker, topic, *avro, "put", "j1", '{"name": "build", "tries": 2}'))
+    got = json.loads(ok(pulsar_state(broker, topic, *avro, "-o", "json", "get", "j1")))
+    assert got["value"] == {"name": "build", "tries": 2}
+    # A value the schema refuses: the library's CodecError, exit 2, nothing written.
+    bad = pulsar_state(broker, topic, *avro, "put", "j2", '{"name": 1}')
+    one_error_line(bad, 2, "Error")
+    raw = ok(pulsar_state(broker, topic, "log")).splitlines()
+    assert len(raw) == 1
+    # The map's ops with the wrong codec: exit 3 and a hint, not a traceback.
+    one_error_line(pulsar_state(broker, topic, "log", "--ops", "map"), 3, "--value-codec")
+    logged = ok(pulsar_state(broker, topic, *avro, "-o", "json", "log", "--ops", "map"))
+    assert json.loads(logged)["writes"] == [
+        [{"op": "PUT", "key": "j1", "value": {"name": "build", "tries": 2}}]
+    ]
