@@ -16,11 +16,10 @@ sees the same sequence of leaders.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError, check_ttl
+from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError
 from ._streams import EventStream
-from .ownership import Ownership
+from .ownership import OneLeaseRecipe
 
 __all__ = ["Leader", "LeaderElection"]
 
@@ -44,7 +43,7 @@ def _leader_of(table: LeaseTable) -> Leader | None:
     return Leader(lease.owner, lease.token, lease.position)
 
 
-class LeaderElection:
+class LeaderElection(OneLeaseRecipe):
     """Elect one leader among processes sharing ``topic``::
 
     async with LeaderElection("pulsar://127.0.0.1:6650", "my-job-leader", ttl=5) as election:
@@ -58,36 +57,6 @@ class LeaderElection:
         ttl: seconds a leader stays leader without renewing (renewed every ``ttl / 3``).
         **manager_options: passed to :class:`~pulsar_state.SharedStateManager`.
     """
-
-    def __init__(
-        self, pulsar: Any, topic: str, *, name: str | None = None, ttl: float = 10.0, **options: Any
-    ) -> None:
-        self.ttl = check_ttl(ttl)
-        self._ownership = Ownership(pulsar, topic, owner=name, **options)
-        self._lease: Lease | None = None
-
-    @property
-    def name(self) -> str:
-        return self._ownership.owner
-
-    @property
-    def ownership(self) -> Ownership:
-        """The Ownership table underneath."""
-        return self._ownership
-
-    async def open(self, *, timeout: float | None = None) -> None:
-        await self._ownership.open(timeout=timeout)
-
-    async def aclose(self, *, timeout: float = 10.0) -> None:
-        """Resign (if leading or campaigning) and disconnect."""
-        await self._ownership.aclose(timeout=timeout)
-
-    async def __aenter__(self) -> LeaderElection:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     async def campaign(self, *, timeout: float | None = None) -> Leader:
         """Wait until this candidate leads (at most ``timeout`` s, then OperationTimeoutError

@@ -12,13 +12,13 @@ the same joins and leaves, in the same order, to every observer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from pulsar_state import ConfigurationError
 
-from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError, check_ttl
+from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError
 from ._streams import EventStream
-from .ownership import Ownership
+from .ownership import OneLeaseRecipe
 
 __all__ = ["MemberEvent", "Membership"]
 
@@ -41,7 +41,7 @@ def _members_of(table: LeaseTable) -> list[str]:
     return sorted({lease.owner for lease in table.holding(RESOURCE)})
 
 
-class Membership:
+class Membership(OneLeaseRecipe):
     """A group of live processes sharing ``topic``::
 
     async with Membership("pulsar://127.0.0.1:6650", "workers", name="w1", ttl=5) as group:
@@ -58,35 +58,6 @@ class Membership:
         ttl: seconds a member stays without renewing (renewed every ``ttl / 3``).
         **manager_options: passed to :class:`~pulsar_state.SharedStateManager`.
     """
-
-    def __init__(
-        self, pulsar: Any, topic: str, *, name: str | None = None, ttl: float = 10.0, **options: Any
-    ) -> None:
-        self.ttl = check_ttl(ttl)
-        self._ownership = Ownership(pulsar, topic, owner=name, **options)
-        self._lease: Lease | None = None
-
-    @property
-    def name(self) -> str:
-        return self._ownership.owner
-
-    @property
-    def ownership(self) -> Ownership:
-        return self._ownership
-
-    async def open(self, *, timeout: float | None = None) -> None:
-        await self._ownership.open(timeout=timeout)
-
-    async def aclose(self, *, timeout: float = 10.0) -> None:
-        """Leave (if joined) and disconnect."""
-        await self._ownership.aclose(timeout=timeout)
-
-    async def __aenter__(self) -> Membership:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     async def join(self, *, timeout: float | None = None) -> Lease:
         """Join the group (kept alive until :meth:`leave` or close); returns the lease.

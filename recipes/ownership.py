@@ -36,7 +36,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any
+from typing import Any, Self
 
 from pulsar_state import (
     STATE_MACHINE_OPTIONS,
@@ -556,3 +556,38 @@ def _left(deadline: float | None) -> float | None:
     if deadline is None:
         return None
     return max(deadline - asyncio.get_running_loop().time(), 0.0)
+
+
+class OneLeaseRecipe:
+    """What LeaderElection and Membership share: one named process holding at most one lease
+    in an Ownership table of its own, with the table's lifecycle."""
+
+    def __init__(
+        self, pulsar: Any, topic: str, *, name: str | None = None, ttl: float = 10.0, **options: Any
+    ) -> None:
+        self.ttl = check_ttl(ttl)
+        self._ownership = Ownership(pulsar, topic, owner=name, **options)
+        self._lease: Lease | None = None
+
+    @property
+    def name(self) -> str:
+        return self._ownership.owner
+
+    @property
+    def ownership(self) -> Ownership:
+        """The Ownership table underneath."""
+        return self._ownership
+
+    async def open(self, *, timeout: float | None = None) -> None:
+        await self._ownership.open(timeout=timeout)
+
+    async def aclose(self, *, timeout: float = 10.0) -> None:
+        """Give up the lease (resign, leave) and disconnect."""
+        await self._ownership.aclose(timeout=timeout)
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
