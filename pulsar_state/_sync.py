@@ -10,9 +10,12 @@ forwarded through a portal. There is no second copy of the logic.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import logging
 import os
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, Protocol, Self, TypeVar, overload
 
@@ -22,6 +25,8 @@ from ._manager import SharedStateManager
 from ._types import ManagerStats, WriteResult
 
 __all__ = ["BlockingPortal", "SyncFacade", "SyncSharedStateManager", "backstop"]
+
+logger = logging.getLogger(__name__)
 
 S = TypeVar("S")
 Op = TypeVar("Op")
@@ -39,11 +44,22 @@ def backstop(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + _GRACE_S
 
 
+class _AsyncResource(Protocol):
+    async def open(self, *, timeout: float | None = None) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
 class BlockingPortal:
     """Runs coroutines on an event loop owned by a daemon thread, for blocking callers.
 
     A portal belongs to the process that created it: after ``fork`` (PySpark workers fork) the
     child must create its own, and ``call`` says so instead of hanging.
+
+    A portal still running at interpreter exit is stopped by an ``atexit`` hook, after closing
+    the resources registered with :meth:`close_at_exit`: its daemon thread must not be inside
+    the Pulsar client when the interpreter finalizes, or the process aborts (``terminate called
+    without an active exception``: measured 1 process in 400 left its blocking facades open).
     """
 
     def __init__(self, name: str = "pulsar-state-portal") -> None:
@@ -51,9 +67,11 @@ class BlockingPortal:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._exit_closers: dict[int, Callable[[], Awaitable[None]]] = {}
+        self._stopped = False
         self._thread.start()
         self._ready.wait()
-        self._stopped = False
+        _running_portals.add(self)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -100,15 +118,66 @@ class BlockingPortal:
 
         return self.call(run, timeout=timeout)
 
+    def close_at_exit(self, resource: _AsyncResource) -> None:
+        """Run ``resource.aclose()`` on this portal at interpreter exit if it is still
+        registered then (blocking twins register on ``open`` and unregister on ``close``)."""
+        self._exit_closers[id(resource)] = resource.aclose
+
+    def forget_at_exit(self, resource: _AsyncResource) -> None:
+        self._exit_closers.pop(id(resource), None)
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop and join the thread."""
+        """Cancel the tasks still on the loop (and wait for them, up to ``timeout``), stop the
+        loop and join the thread."""
         if self._stopped or os.getpid() != self._pid:
             return
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("stopping a portal from its own thread would deadlock")
         self._stopped = True
+        _running_portals.discard(self)
+        cancelled = asyncio.run_coroutine_threadsafe(_cancel_other_tasks(timeout), self._loop)
+        try:
+            cancelled.result(timeout + 1.0)
+        except Exception as exc:  # a stuck loop: stop it anyway
+            logger.warning("cancelling the tasks of portal %s: %r", self._thread.name, exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self._loop.close()
+
+    def _stop_at_exit(self, timeout: float) -> None:
+        closers, self._exit_closers = list(self._exit_closers.values()), {}
+        for aclose in closers:
+            try:
+                self.call(aclose, timeout=timeout)
+            except Exception as exc:
+                logger.debug("closing a resource left open at exit: %r", exc)
+        self.stop(timeout)
+
+
+async def _cancel_other_tasks(timeout: float) -> None:
+    current = asyncio.current_task()
+    tasks = [task for task in asyncio.all_tasks() if task is not current]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+
+
+# Portals started in this process and not stopped yet (stopped at exit).
+_running_portals: weakref.WeakSet[BlockingPortal] = weakref.WeakSet()
+_EXIT_TIMEOUT_S = 10.0
+
+
+def _stop_portals_at_exit() -> None:
+    """An ``atexit`` hook. Registered after ``_pulsar``'s (this module imports it), so it runs
+    before the Pulsar clients left open are closed: first the work on the portals stops."""
+    for portal in list(_running_portals):
+        if portal._pid == os.getpid():
+            portal._stop_at_exit(_EXIT_TIMEOUT_S)
+
+
+atexit.register(_stop_portals_at_exit)
 
 
 class _Timeouts(Protocol):
@@ -120,12 +189,6 @@ class _Timeouts(Protocol):
 
     @property
     def write_timeout_s(self) -> float: ...
-
-
-class _AsyncResource(Protocol):
-    async def open(self, *, timeout: float | None = None) -> None: ...
-
-    async def aclose(self) -> None: ...
 
 
 R = TypeVar("R", bound=_AsyncResource)
@@ -146,12 +209,14 @@ class SyncFacade(Generic[R]):
         return self._portal
 
     def open(self, *, timeout: float | None = None) -> Self:
+        self._portal.close_at_exit(self._resource)
         self._call(
             lambda: self._resource.open(timeout=timeout), timeout, self._timeouts.open_timeout_s
         )
         return self
 
     def close(self) -> None:
+        self._portal.forget_at_exit(self._resource)
         try:
             self._portal.call(self._resource.aclose, timeout=_LOCAL_TIMEOUT_S)
         finally:

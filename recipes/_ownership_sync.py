@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from pulsar_state import BlockingPortal, ClosedError, backstop
+from pulsar_state import BlockingPortal, ClosedError, SyncFacade, backstop
 
 from ._lease_table import Lease, Mode, NotHeldError
 from .ownership import Ownership
@@ -15,10 +15,8 @@ __all__ = ["SyncOwnership"]
 
 T = TypeVar("T")
 
-# Added to a call's own timeout as the portal's backstop against a stuck loop.
 
-
-class SyncOwnership:
+class SyncOwnership(SyncFacade[Ownership]):
     """The blocking twin of :class:`~recipes.Ownership` (same arguments plus ``portal``)::
 
     with SyncOwnership("pulsar://127.0.0.1:6650", "locks") as owners:
@@ -40,8 +38,7 @@ class SyncOwnership:
         self._ownership = Ownership(
             pulsar, topic, owner=owner, resources=resources, reap=reap, **manager_options
         )
-        self._owns_portal = portal is None
-        self._portal = portal if portal is not None else BlockingPortal()
+        super().__init__(self._ownership, self._ownership.manager, portal)
 
     @property
     def async_ownership(self) -> Ownership:
@@ -56,25 +53,9 @@ class SyncOwnership:
     def position(self) -> int:
         return self._ownership.position
 
-    def _call(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+    def _forward(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
+        # No default timeout: acquire(timeout=None) waits as long as it takes.
         return self._portal.call(fn, timeout=backstop(timeout))
-
-    def open(self, *, timeout: float | None = None) -> SyncOwnership:
-        self._portal.call(lambda: self._ownership.open(timeout=timeout))
-        return self
-
-    def close(self) -> None:
-        try:
-            self._portal.call(self._ownership.aclose, timeout=30.0)
-        finally:
-            if self._owns_portal:
-                self._portal.stop()
-
-    def __enter__(self) -> SyncOwnership:
-        return self.open()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def acquire(
         self,
@@ -86,7 +67,7 @@ class SyncOwnership:
         keep_alive: bool = True,
     ) -> Lease:
         """As :meth:`Ownership.acquire`."""
-        return self._call(
+        return self._forward(
             lambda: self._ownership.acquire(
                 names, mode=mode, ttl=ttl, timeout=timeout, keep_alive=keep_alive
             ),
@@ -103,7 +84,7 @@ class SyncOwnership:
         keep_alive: bool = True,
     ) -> Lease | None:
         """As :meth:`Ownership.try_acquire`."""
-        return self._call(
+        return self._forward(
             lambda: self._ownership.try_acquire(
                 names, mode=mode, ttl=ttl, timeout=timeout, keep_alive=keep_alive
             ),
@@ -111,10 +92,10 @@ class SyncOwnership:
         )
 
     def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
-        return self._call(lambda: self._ownership.renew(lease, ttl=ttl), None)
+        return self._forward(lambda: self._ownership.renew(lease, ttl=ttl), None)
 
     def release(self, lease: Lease, *, timeout: float | None = None) -> None:
-        self._call(lambda: self._ownership.release(lease, timeout=timeout), timeout)
+        self._forward(lambda: self._ownership.release(lease, timeout=timeout), timeout)
 
     @contextlib.contextmanager
     def hold(
@@ -136,10 +117,10 @@ class SyncOwnership:
         self.release(lease)
 
     def holders(self, name: str, *, latest: bool = False) -> list[Lease]:
-        return self._call(lambda: self._ownership.holders(name, latest=latest), None)
+        return self._forward(lambda: self._ownership.holders(name, latest=latest), None)
 
     def leases(self, *, latest: bool = False) -> list[Lease]:
-        return self._call(lambda: self._ownership.leases(latest=latest), None)
+        return self._forward(lambda: self._ownership.leases(latest=latest), None)
 
     def is_held(self, lease: Lease, *, margin: float = 0.0) -> bool:
         async def run() -> bool:

@@ -11,7 +11,6 @@ values returned by ``add(1)`` are distinct. ``compare_and_set`` decides on the u
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from pulsar_state import (
@@ -19,7 +18,7 @@ from pulsar_state import (
     BlockingPortal,
     ConfigurationError,
     SharedStateManager,
-    backstop,
+    SyncFacade,
 )
 
 __all__ = ["Counter", "SyncCounter"]
@@ -108,44 +107,22 @@ class Counter:
         return await self._manager.read(lambda s: int(s["value"]), latest=latest, timeout=timeout)
 
 
-class SyncCounter:
+class SyncCounter(SyncFacade[Counter]):
     """The blocking twin of :class:`Counter` (same arguments plus an optional ``portal``)."""
 
     def __init__(
         self, pulsar: Any, topic: str, *, portal: BlockingPortal | None = None, **options: Any
     ) -> None:
         self._counter = Counter(pulsar, topic, **options)
-        self._owns_portal = portal is None
-        self._portal = portal if portal is not None else BlockingPortal()
-
-    def _call(self, fn: Callable[[], Awaitable[T]], timeout: float | None) -> T:
-        default = self._counter.manager.write_timeout_s
-        return self._portal.call(fn, timeout=backstop(default if timeout is None else timeout))
-
-    def open(self, *, timeout: float | None = None) -> SyncCounter:
-        self._portal.call(lambda: self._counter.open(timeout=timeout))
-        return self
-
-    def close(self) -> None:
-        try:
-            self._portal.call(self._counter.aclose, timeout=30.0)
-        finally:
-            if self._owns_portal:
-                self._portal.stop()
-
-    def __enter__(self) -> SyncCounter:
-        return self.open()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        super().__init__(self._counter, self._counter.manager, portal)
 
     def add(self, delta: int = 1, *, timeout: float | None = None) -> int:
-        return self._call(lambda: self._counter.add(delta, timeout=timeout), timeout)
+        return self._write(lambda: self._counter.add(delta, timeout=timeout), timeout)
 
     def compare_and_set(self, expected: int, new: int, *, timeout: float | None = None) -> bool:
-        return self._call(
+        return self._write(
             lambda: self._counter.compare_and_set(expected, new, timeout=timeout), timeout
         )
 
     def value(self, *, latest: bool = False, timeout: float | None = None) -> int:
-        return self._call(lambda: self._counter.value(latest=latest, timeout=timeout), timeout)
+        return self._read(lambda: self._counter.value(latest=latest, timeout=timeout), timeout)
