@@ -661,9 +661,10 @@ class PulsarConnection:
         try:
             with translate_errors(f"acquire the writer of {topic}", creating_writer=True):
                 producer = await asyncio.wait_for(asyncio.shield(creation), timeout_s)
-        except OperationTimeoutError:
-            # Creation can hang while the broker fails (apache/pulsar #10721). If it succeeds
-            # later, close that producer at once: an orphan would hold exclusivity forever.
+        except (OperationTimeoutError, asyncio.CancelledError):
+            # Creation can hang while the broker fails (apache/pulsar #10721), or the manager
+            # closes meanwhile. If it succeeds later, close that producer at once: an orphan
+            # would hold exclusivity until the client closes (never, for a borrowed client).
             creation.add_done_callback(_close_orphan)
             raise
         except TimeoutError as exc:

@@ -1,15 +1,20 @@
-"""A manager dropped without aclose() says so with a ResourceWarning (aiokafka's habit)."""
+"""A manager's lifecycle: dropped without aclose() it says so with a ResourceWarning
+(aiokafka's habit); closed, it leaves nothing behind."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import warnings
 import weakref
 from typing import Any
 
+import pulsar.asyncio as pulsar_asyncio
 import pytest
 
-from pulsar_state import SharedStateManager
+from pulsar_state import PulsarStateError, SharedStateManager
+from pulsar_state._pulsar import PulsarConnection
 from tests.core.helpers import counter_manager, incr
 
 
@@ -65,3 +70,37 @@ async def test_a_closed_manager_leaves_no_socket_open(
             await holder[0].read(lambda s: s, latest=True)  # uses the admin connection
         forget(holder)
     assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+async def test_a_close_during_writer_acquisition_leaves_no_orphan_producer(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # aclose() cancels the writer while its exclusive producer is being created. If that
+    # creation completes afterwards, the producer must be closed: on a borrowed client it
+    # would otherwise hold the topic's writer until the client closes.
+    entered = asyncio.Event()
+    create_writer = PulsarConnection.create_writer
+
+    async def spy(self: PulsarConnection, *args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        return await create_writer(self, *args, **kwargs)
+
+    monkeypatch.setattr(PulsarConnection, "create_writer", spy)
+    client = pulsar_asyncio.Client(service_url, operation_timeout_seconds=15)
+    try:
+        first = counter_manager(client, topic, admin_url, takeover_after_s=None)
+        await first.open()
+        write = asyncio.ensure_future(first.write(lambda s: [incr()]))
+        await asyncio.wait_for(entered.wait(), 30)
+        await asyncio.sleep(0)  # the creation is in flight
+        await first.aclose()
+        with contextlib.suppress(PulsarStateError):
+            await write
+        monkeypatch.undo()
+        second = counter_manager(
+            client, topic, admin_url, takeover_after_s=None, acquire_timeout_s=10.0
+        )
+        async with second:
+            await second.write(lambda s: [incr()])  # WriterBusyError with an orphan
+    finally:
+        await client.close()
