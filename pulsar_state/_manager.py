@@ -49,13 +49,25 @@ from ._snapshots import SnapshotPolicy, SnapshotStore
 from ._types import AppliedRecord, ManagerStats, OnCorrupt, ReplayProgress, WriteResult
 from ._writer import Writer
 
-__all__ = ["SharedStateManager"]
+__all__ = ["SharedStateManager", "close_budget"]
 
 logger = logging.getLogger(__name__)
 
 S = TypeVar("S")
 Op = TypeVar("Op")
 T = TypeVar("T")
+
+
+# Each teardown step of a close (writer, reader, admin client, Pulsar client) gets at least
+# this long even when the close's budget is used up, so that nothing is left open for lack of
+# time; a close therefore takes at most ``close_budget(timeout)``.
+_TEARDOWN_FLOOR_S = 1.0
+_TEARDOWN_STEPS = 4
+
+
+def close_budget(timeout: float) -> float:
+    """The longest ``aclose(timeout=timeout)`` can take (a blocking caller's bound)."""
+    return timeout + _TEARDOWN_STEPS * _TEARDOWN_FLOOR_S
 
 
 async def _bounded(step: Awaitable[None], timeout: float) -> None:
@@ -327,33 +339,44 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         )
 
     async def aclose(self, *, timeout: float = 10.0) -> None:
-        """Stop: fail queued writes, release the writer at once, stop the reader."""
+        """Stop: fail queued writes, release the writer at once, stop the reader.
+
+        Takes at most :func:`close_budget` ``(timeout)``: ``timeout`` for the writes and the
+        automatic snapshot under way to finish (at most 5 s of it for the writes), plus at
+        least a second for each teardown step.
+        """
         if self._context.closed:
             return
         self._context.closed = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+
+        def left(floor: float = 0.0) -> float:
+            return max(floor, deadline - loop.time())
+
         closed = ClosedError(f"manager on {self.topic} is closed")
         self._pending.fail_queued(closed)
         self._pending.wake.set()  # the writer loop sees closed and ends
         # Give writes already sent a moment to be seen, so their callers learn the outcome.
-        await self._pending.settle_in_flight(min(timeout, 5.0))
+        await self._pending.settle_in_flight(min(left(), 5.0))
         if self._snapshots is not None:
-            await self._snapshots.settle(min(timeout, 30.0))
+            await self._snapshots.settle(left())
         for task in self._tasks:
             await _cancel(task)
         if self._snapshots is not None:
             await self._snapshots.cancel()
         # Every step is bounded: a broker that does not answer cannot hang a close.
         if self._writer is not None:
-            await _bounded(self._writer.release(), timeout)
-        await self._replica.close_reader(timeout)
+            await _bounded(self._writer.release(), left(_TEARDOWN_FLOOR_S))
+        await self._replica.close_reader(left(_TEARDOWN_FLOOR_S))
         if self._pump_task is not None:
             await _cancel(self._pump_task)
         self._pending.fail_in_flight()
         self._pending.fail_queued(closed)  # anything requeued while closing
         self._replica.fail_waiters(closed)
-        await _bounded(self._admin.close(), timeout)
+        await _bounded(self._admin.close(), left(_TEARDOWN_FLOOR_S))
         if self._conn is not None and self._owns_conn:
-            await _bounded(self._conn.close(), timeout)
+            await _bounded(self._conn.close(), left(_TEARDOWN_FLOOR_S))
         logger.debug("closed manager on %s", self.topic)
 
     def _check_usable(self) -> None:

@@ -179,6 +179,7 @@ class PendingWrites:
         one timer for all writes, not one each."""
         loop = asyncio.get_running_loop()
         prune_at, last_prune = _PRUNE_AT, loop.time()
+        last_in_flight_prune = last_prune
         while not self._context.closed:
             now = loop.time()
             while self.deadlines and self.deadlines[0][0] <= now:
@@ -192,7 +193,23 @@ class PendingWrites:
                 self.deadlines = [d for d in self.deadlines if not d[2].future.done()]
                 heapq.heapify(self.deadlines)
                 prune_at, last_prune = max(_PRUNE_AT, 2 * len(self.deadlines)), now
+            if self._in_flight and now - last_in_flight_prune > 1.0:
+                self.forget_finished_records()
+                last_in_flight_prune = now
             await asyncio.sleep(0.05)
+
+    def forget_finished_records(self) -> None:
+        """Drop the records in flight whose writes all have their outcome.
+
+        A send that failed may still land, so its record stays in flight; once its writes
+        completed otherwise (a retry landed, or the deadline passed) nothing waits on it, and
+        it would be kept (with its generators and readers) for the manager's lifetime.
+        """
+        self._in_flight = {
+            record_id: writes
+            for record_id, writes in self._in_flight.items()
+            if any(not p.future.done() for p in writes)
+        }
 
     def fail_timeout(self, pending: PendingWrite) -> None:
         pending.future.set_exception(self._timeout_error(pending))
@@ -231,6 +248,10 @@ class PendingWrites:
 
     def in_flight(self, record_id: str) -> bool:
         return record_id in self._in_flight
+
+    @property
+    def records_in_flight(self) -> int:
+        return len(self._in_flight)
 
     def claim(self, record_id: str) -> RecordClaim | None:
         """The replica accepts ``record_id``: hand it the writes to complete, if ours."""

@@ -21,7 +21,7 @@ from typing import Any, Generic, Protocol, Self, TypeVar, overload
 
 from ._envelope import SnapshotManifest
 from ._errors import ClosedError, OperationTimeoutError
-from ._manager import SharedStateManager
+from ._manager import SharedStateManager, close_budget
 from ._types import ManagerStats, WriteResult
 
 __all__ = ["BlockingPortal", "SyncFacade", "SyncSharedStateManager", "backstop"]
@@ -39,6 +39,12 @@ _GRACE_S = 5.0
 _LOCAL_TIMEOUT_S = 30.0
 
 
+def _close_backstop(timeout: float) -> float:
+    # A recipe's close may first write (e.g. release its leases, up to ``timeout``), then
+    # close its manager.
+    return timeout + close_budget(timeout)
+
+
 def backstop(timeout: float | None) -> float | None:
     """The portal's timeout for an async call whose own timeout is ``timeout`` (None: none)."""
     return None if timeout is None else timeout + _GRACE_S
@@ -47,7 +53,7 @@ def backstop(timeout: float | None) -> float | None:
 class _AsyncResource(Protocol):
     async def open(self, *, timeout: float | None = None) -> None: ...
 
-    async def aclose(self) -> None: ...
+    async def aclose(self, *, timeout: float = ...) -> None: ...
 
 
 class BlockingPortal:
@@ -67,7 +73,7 @@ class BlockingPortal:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._exit_closers: dict[int, Callable[[], Awaitable[None]]] = {}
+        self._exit_closers: dict[int, _AsyncResource] = {}
         self._stopped = False
         self._thread.start()
         self._ready.wait()
@@ -121,7 +127,7 @@ class BlockingPortal:
     def close_at_exit(self, resource: _AsyncResource) -> None:
         """Run ``resource.aclose()`` on this portal at interpreter exit if it is still
         registered then (blocking twins register on ``open`` and unregister on ``close``)."""
-        self._exit_closers[id(resource)] = resource.aclose
+        self._exit_closers[id(resource)] = resource
 
     def forget_at_exit(self, resource: _AsyncResource) -> None:
         self._exit_closers.pop(id(resource), None)
@@ -146,10 +152,13 @@ class BlockingPortal:
             self._loop.close()
 
     def _stop_at_exit(self, timeout: float) -> None:
-        closers, self._exit_closers = list(self._exit_closers.values()), {}
-        for aclose in closers:
+        resources, self._exit_closers = list(self._exit_closers.values()), {}
+        for resource in resources:
             try:
-                self.call(aclose, timeout=timeout)
+                self.call(
+                    lambda r=resource: r.aclose(timeout=timeout),
+                    timeout=backstop(_close_backstop(timeout)),
+                )
             except Exception as exc:
                 logger.debug("closing a resource left open at exit: %r", exc)
         self.stop(timeout)
@@ -166,7 +175,7 @@ async def _cancel_other_tasks(timeout: float) -> None:
 
 # Portals started in this process and not stopped yet (stopped at exit).
 _running_portals: weakref.WeakSet[BlockingPortal] = weakref.WeakSet()
-_EXIT_TIMEOUT_S = 10.0
+_EXIT_TIMEOUT_S = 5.0
 
 
 def _stop_portals_at_exit() -> None:
@@ -215,10 +224,14 @@ class SyncFacade(Generic[R]):
         )
         return self
 
-    def close(self) -> None:
+    def close(self, *, timeout: float = 10.0) -> None:
+        """Close the resource (its ``aclose(timeout=timeout)``) and the portal if owned."""
         self._portal.forget_at_exit(self._resource)
         try:
-            self._portal.call(self._resource.aclose, timeout=_LOCAL_TIMEOUT_S)
+            self._portal.call(
+                lambda: self._resource.aclose(timeout=timeout),
+                timeout=backstop(_close_backstop(timeout)),
+            )
         finally:
             if self._owns_portal:
                 self._portal.stop()

@@ -282,11 +282,17 @@ class Writer:
             acked.append(at)
             replica.apply_own(outgoing.payload, outgoing.record, at)
         self._stats.records_sent += len(records)
+        read_back: OperationTimeoutError | None = None
         if acked:
             # Every acked record is settled (accepted or ignored) once the pump passes it.
-            await self._bounded(replica.wait_log(max(acked)), "reading back the records sent")
+            try:
+                await self._bounded(replica.wait_log(max(acked)), "reading back the records sent")
+            except OperationTimeoutError as exc:
+                read_back = exc  # the failed sends still need their retry first
         if failures:
             await self._send_failed(records, failures)
+        if read_back is not None:
+            raise read_back
 
     async def _send_failed(
         self, records: list[OutgoingRecord[PendingWrite]], failures: list[BaseException]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ from pulsar_state import (
     OperationTimeoutError,
     SharedStateManager,
 )
+from pulsar_state._manager import close_budget
 from pulsar_state._sync import SyncFacade, backstop
 
 
@@ -43,12 +45,14 @@ class Resource:
     open_timeout_s: float = 1.0
     read_timeout_s: float = 1.0
     write_timeout_s: float = 1.0
+    close_timeout: float | None = None
 
     async def open(self, *, timeout: float | None = None) -> None:
         self.events.append(f"open {timeout}")
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, timeout: float = 10.0) -> None:
         self.events.append("aclose")
+        self.close_timeout = timeout
 
 
 def test_facade_opens_and_closes_through_with_and_stops_only_its_own_portal() -> None:
@@ -67,6 +71,28 @@ def test_facade_opens_and_closes_through_with_and_stops_only_its_own_portal() ->
         assert shared.call_sync(lambda: 42) == 42  # given, so left running
     finally:
         shared.stop()
+
+
+def test_close_waits_as_long_as_the_resources_close_may_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The portal's backstop for close() was a fixed 30 s, shorter than aclose() may take
+    # (close_budget): the caller got a timeout while the close still ran. Now close passes
+    # its timeout to aclose and waits at least what that aclose may take.
+    waited: list[float | None] = []
+    call = BlockingPortal.call
+
+    def spy(self: BlockingPortal, fn: Any, *args: Any, timeout: float | None = None) -> Any:
+        waited.append(timeout)
+        return call(self, fn, *args, timeout=timeout)
+
+    monkeypatch.setattr(BlockingPortal, "call", spy)
+    resource = Resource()
+    facade = SyncFacade(resource, resource, None)
+    facade.close(timeout=60.0)
+    assert resource.close_timeout == 60.0
+    assert waited[-1] is not None
+    assert waited[-1] > close_budget(60.0) > 60.0
 
 
 def test_an_async_timeout_error_comes_through_unchanged() -> None:

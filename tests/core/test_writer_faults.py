@@ -1,0 +1,83 @@
+"""The writer after a failed send, on the real broker with one fault injected into the
+library's own code: its send wrapper (``StateWriter.send``, as if the client had failed the
+send) and, for one test, its read-back of the records sent (``Replica.wait_log``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from pulsar_state import BrokerUnavailableError
+from pulsar_state._pulsar import LogPosition, StateWriter
+from pulsar_state._replica import Replica
+from tests.core.helpers import counter_manager, incr
+
+
+def fail_send_number(monkeypatch: pytest.MonkeyPatch, number: int) -> dict[str, int]:
+    """Make the ``number``-th send of the process fail (not persisted); count the sends."""
+    calls = {"send": 0}
+    send = StateWriter.send
+
+    async def failing(self: StateWriter, payload: bytes, *, key: str) -> LogPosition:
+        calls["send"] += 1
+        if calls["send"] == number:
+            raise BrokerUnavailableError("injected: the send failed")
+        return await send(self, payload, key=key)
+
+    monkeypatch.setattr(StateWriter, "send", failing)
+    return calls
+
+
+async def wait_until_forgotten(manager: Any, timeout: float = 10.0) -> int:
+    # Polled: the watchdog prunes on its own schedule; nothing to wait on.
+    for _ in range(int(timeout / 0.1)):
+        if not manager._pending.records_in_flight:
+            break
+        await asyncio.sleep(0.1)
+    return int(manager._pending.records_in_flight)
+
+
+async def test_a_failed_send_is_retried_and_then_forgotten(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The failed send's record stays in flight (it may still land) until its write has its
+    # outcome; then nothing waits on it. Before: kept, with its generator, forever.
+    fail_send_number(monkeypatch, 1)
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        result = await manager.write(lambda s: [incr("a")])
+        assert await manager.read(lambda s: (s["count"], s["seen"]), latest=True) == (1, {"a": 1})
+        assert result.position == 1
+        assert await wait_until_forgotten(manager) == 0
+
+
+async def test_a_failed_send_is_retried_even_when_the_read_back_times_out(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One batch, two records: the first is acked, the second's send fails, and reading back
+    # the first takes longer than write_timeout_s. The failed write must still be retried
+    # (its own timeout is longer); before, only its deadline ended it, with an unknown outcome.
+    calls = fail_send_number(monkeypatch, 2)
+    wait_log = Replica.wait_log
+    stalled: list[bool] = []
+
+    async def slow_read_back(self: Replica, target: LogPosition | None) -> None:
+        if calls["send"] == 2 and not stalled:
+            stalled.append(True)
+            await asyncio.sleep(3600)
+        await wait_log(self, target)
+
+    monkeypatch.setattr(Replica, "wait_log", slow_read_back)
+    manager = counter_manager(
+        service_url, topic, admin_url, write_timeout_s=1.0, max_writes_per_record=1
+    )
+    async with manager:
+        results = await asyncio.gather(
+            manager.write(lambda s: [incr("a")], timeout=30.0),
+            manager.write(lambda s: [incr("b")], timeout=30.0),
+        )
+        assert stalled == [True]
+        assert sorted(r.position for r in results) == [1, 2]
+        state = await manager.read(lambda s: (s["count"], s["seen"]), latest=True)
+        assert state == (2, {"a": 1, "b": 1})
