@@ -476,6 +476,10 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         ``reader(state)`` runs on the state right after this write's ops were applied, and
         its result is returned in :class:`WriteResult` (from the attempt that committed).
 
+        A generator that returns no ops appends nothing (a conditional write that decided
+        not to change anything): the decision stands once this process has confirmed that
+        the state it was made on is the log's latest, and ``position`` is that state's.
+
         Raises the generator's own exception if it raises (nothing is appended);
         :class:`ApplyError` if an op fails on the trial state; :class:`RecordTooLargeError`;
         :class:`OperationTimeoutError` when nothing was appended in time;

@@ -166,6 +166,19 @@ class PendingWrites:
         if again:
             self.wake.set()
 
+    def complete_unchanged(self, writes: list[PendingWrite], state: Any, position: int) -> None:
+        """Complete writes that appended nothing: ``state`` (at ``position``) is the latest."""
+        for pending in writes:
+            if pending.future.done():
+                continue
+            self._stats.writes_committed += 1
+            try:
+                value = pending.reader(state) if pending.reader is not None else None
+            except Exception as exc:  # the caller's reader: its error, its write
+                pending.future.set_exception(exc)
+                continue
+            pending.future.set_result(WriteResult(value, position))
+
     def fail_queued(self, error: BaseException) -> None:
         for pending in list(self.queue):
             if not pending.future.done():

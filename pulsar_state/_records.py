@@ -61,6 +61,9 @@ class Batch(Generic[W]):
     refused: list[tuple[W, BaseException]] = field(default_factory=list)
     # Set when the trial run changed the live state: nothing is sent, the replica must halt.
     halt: tuple[W, ConfigurationError] | None = None
+    # Writes with no ops decided on the base state itself (before any write of the batch):
+    # nothing to append; they stand if that state is still the log's latest.
+    unchanged: list[W] = field(default_factory=list)
 
 
 class RecordBuilder(Generic[S, Op]):
@@ -113,6 +116,14 @@ class RecordBuilder(Generic[S, Op]):
                 ops = list(request.generator(trial))
             except Exception as exc:  # the caller's generator: its exception, unchanged
                 result.refused.append((request, exc))
+                continue
+            if not ops:
+                # A conditional write that changes nothing appends nothing. After writes of
+                # this batch it rides in their record (its outcome depends on theirs).
+                if group:
+                    group.append((request, []))
+                else:
+                    result.unchanged.append(request)
                 continue
             try:
                 encoded = machine.encode(ops)

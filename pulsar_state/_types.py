@@ -35,8 +35,9 @@ class WriteResult(Generic[T]):
 
     ``value`` is the ``reader``'s result on the state right after this write's ops were
     applied (from the attempt that committed). ``position`` is the number of records accepted
-    up to and including this write's record: pass it to ``wait_for`` on another replica to
-    read your own writes there.
+    up to and including this write's record (for a write with no ops, which appends
+    nothing: the position of the state it was decided on): pass it to ``wait_for`` on another
+    replica to read your own writes there.
     """
 
     value: T

@@ -263,6 +263,8 @@ class Writer:
             culprit.future.set_exception(error)
             replica.halt_with(error)
             return
+        if built.unchanged:
+            await self._settle_unchanged(built.unchanged)
         records = built.records
         if not records:
             return
@@ -293,6 +295,22 @@ class Writer:
             await self._send_failed(records, failures)
         if read_back is not None:
             raise read_back
+
+    async def _settle_unchanged(self, writes: list[PendingWrite]) -> None:
+        # Writes that append nothing were decided on this replica's state. Holding the
+        # exclusive writer is not proof enough that it is the latest (another process may
+        # have fenced us): the decision stands only if catching up with the tail accepts no
+        # record; otherwise it is made again on the newer state.
+        version = self._replica.version
+        try:
+            await self._bounded(self._catch_up(), "confirming the state of writes with no ops")
+        except BaseException:
+            self._pending.requeue(writes)
+            raise
+        if self._replica.version != version or self._replica.halt is not None:
+            self._pending.requeue(writes)
+            return
+        self._pending.complete_unchanged(writes, self._replica.state, version)
 
     async def _send_failed(
         self, records: list[OutgoingRecord[PendingWrite]], failures: list[BaseException]

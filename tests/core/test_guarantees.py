@@ -20,7 +20,7 @@ from pulsar_state import (
 )
 from pulsar_state._envelope import Record, Write, encode_record
 from pulsar_state._records import OutgoingRecord
-from tests.core.helpers import counter_manager, incr, raw_producer
+from tests.core.helpers import counter_manager, incr, raw_producer, topic_message_count
 
 POISON = {"op": "set", "key": "poison", "value": 1}
 
@@ -224,3 +224,26 @@ async def test_write_whose_record_is_ignored_during_close_does_not_hang(
     await closing
     with pytest.raises(ClosedError):
         await asyncio.wait_for(future, 5)
+
+
+async def test_writes_that_change_nothing_append_nothing(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A conditional write whose generator returns no ops was still appended as an empty
+    # record. Alone, it appends nothing now; among other writes it rides in their record.
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        await manager.write(lambda s: [incr("a")])
+        nothing = await manager.write(lambda s: [], reader=lambda s: s["count"])
+        assert (nothing.value, nothing.position) == (1, 1)
+        results = await asyncio.gather(
+            manager.write(lambda s: [] if s["count"] else [incr("never")]),
+            manager.write(lambda s: [incr("b")]),
+            manager.write(lambda s: [], reader=lambda s: s["count"]),
+        )
+        assert results[0].position == 1  # decided on the state before the batch's writes
+        assert results[2].value == 2  # after "b", in its record
+        assert await manager.read(lambda s: s["count"], latest=True) == 2
+        with pytest.raises(ZeroDivisionError):  # the reader's error, its caller's
+            await manager.write(lambda s: [], reader=lambda s: 1 / 0)
+        assert manager.position == 2
+    assert await topic_message_count(service_url, topic) == 2
