@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pulsar_state import BlockingPortal, ClosedError, Codec, ConfigurationError
+from pulsar_state import BlockingPortal, ClosedError, Codec, ConfigurationError, ReplicaHaltedError
 from recipes import PulsarMap, SyncPulsarMap
 
 __all__ = ["MapSpec", "close_maps", "get_map"]
@@ -129,8 +129,12 @@ class _Cache:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
+        # Guards the dicts only, never held during I/O: opening one map (a replay that may
+        # take minutes) must not hold up the callers of the others.
         self.lock = threading.Lock()
         self.maps: dict[str, SyncPulsarMap[Any, Any]] = {}
+        # One per spec: the first caller opens the map, the others wait for it.
+        self.opening: dict[str, threading.Lock] = {}
         self.portal: BlockingPortal | None = None
 
 
@@ -168,23 +172,47 @@ def get_map(spec: MapSpec, *, timeout: float | None = None) -> SyncPulsarMap[Any
     """
     cache = _current_cache()
     with cache.lock:
-        cached = cache.maps.get(spec.key)
+        cached = _usable(cache, spec)
         if cached is not None:
-            try:
-                len(cached)  # local, no I/O; raises ClosedError if someone closed it
+            return cached
+        opening = cache.opening.setdefault(spec.key, threading.Lock())
+    with opening:
+        with cache.lock:
+            cached = _usable(cache, spec)  # opened by another thread meanwhile
+            if cached is not None:
                 return cached
-            except ClosedError:
-                del cache.maps[spec.key]
-        if cache.portal is None:
-            cache.portal = BlockingPortal(name="pulsar-state-spark")
-        new = spec.new_map(portal=cache.portal)
+            if cache.portal is None:
+                cache.portal = BlockingPortal(name="pulsar-state-spark")
+            portal = cache.portal
+        new = spec.new_map(portal=portal)
         try:
             new.open(timeout=timeout)
         except BaseException:
             _close_quietly(new)
             raise
-        cache.maps[spec.key] = new
+        with cache.lock:
+            cache.maps[spec.key] = new
         return new
+
+
+def _usable(cache: _Cache, spec: MapSpec) -> SyncPulsarMap[Any, Any] | None:
+    """The cached map for ``spec`` if it can still serve; a closed or halted one is dropped
+    (closed, for a halted one) so that the caller opens a new one."""
+    cached = cache.maps.get(spec.key)
+    if cached is None:
+        return None
+    try:
+        len(cached)  # local, no I/O; raises if someone closed it or the replica halted
+        return cached
+    except ClosedError:
+        pass
+    except ReplicaHaltedError as exc:
+        # A new map replays the topic: a lasting cause (a corrupt record...) halts it again
+        # at open, loudly; a passing one is over.
+        logger.error("the cached map on %s halted (%s); opening a new one", spec.topic, exc)
+        _close_quietly(cached)
+    del cache.maps[spec.key]
+    return None
 
 
 def _close_quietly(m: SyncPulsarMap[Any, Any]) -> None:

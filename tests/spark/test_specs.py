@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -15,7 +16,14 @@ import pytest
 from pyspark import cloudpickle
 from pyspark.sql import SparkSession
 
-from pulsar_state import AvroCodec, ClosedError, ConfigurationError, StrCodec
+from pulsar_state import (
+    AvroCodec,
+    ClosedError,
+    ConfigurationError,
+    PulsarStateError,
+    ReplicaHaltedError,
+    StrCodec,
+)
 from recipes.spark import MapSpec, close_maps, get_map
 from recipes.spark import _specs as pulsar_spark
 from tests.spark import tasks
@@ -154,3 +162,44 @@ def test_closed_maps_are_replaced_and_close_maps_closes_all(spec: MapSpec) -> No
         second.get("a")
     third = get_map(spec)
     assert third.get("a", latest=True) == 1
+
+
+def test_a_halted_cached_map_is_replaced(spec: MapSpec) -> None:
+    # Before: get_map raised ReplicaHaltedError for that spec for the rest of the process.
+    first = get_map(spec)
+    first.put("a", 1)
+    manager = first.async_map.manager
+    first.portal.call_sync(
+        lambda: manager._replica.halt_with(PulsarStateError("injected: the replica stopped"))
+    )
+    with pytest.raises(ReplicaHaltedError):
+        first.get("a")
+    second = get_map(spec)
+    assert second is not first
+    assert second.get("a", latest=True) == 1
+    close_maps()
+
+
+def test_opening_one_map_does_not_hold_up_the_others(spec: MapSpec) -> None:
+    # A map whose open waits (here: no broker at that address, until its open timeout) must
+    # not block get_map for other specs: the cache's lock was held during the whole open.
+    unreachable = MapSpec(
+        "pulsar://127.0.0.1:9", "nowhere", admin_url="http://127.0.0.1:9", options=map_options()
+    )
+    finished: list[str] = []
+
+    def open_unreachable() -> None:
+        with contextlib.suppress(PulsarStateError):
+            get_map(unreachable, timeout=20.0)
+        finished.append("unreachable")
+
+    slow = threading.Thread(target=open_unreachable)
+    slow.start()
+    try:
+        time.sleep(0.5)  # the slow open is under way
+        get_map(spec).put("k", "v")
+        finished.append("reachable")
+    finally:
+        slow.join()
+        close_maps()
+    assert finished == ["reachable", "unreachable"]
