@@ -5,12 +5,13 @@
 * :class:`Ownership` / :class:`SyncOwnership`: named resources held in read or write mode,
   taken atomically, with leases decided from the log and fencing tokens;
   :func:`fenced_transact` makes a PulsarMap write conditional on a token.
-* :class:`LeaderElection`, :class:`Membership` (on Ownership) and :class:`Counter` /
-  :class:`SyncCounter`.
+* :class:`LeaderElection` / :class:`SyncLeaderElection`, :class:`Membership` /
+  :class:`SyncMembership` (on Ownership) and :class:`Counter` / :class:`SyncCounter`.
 * :mod:`recipes.spark` (the ``spark`` extra): PySpark jobs sharing PulsarMaps. A layer above
   this one: import it explicitly; nothing here imports it.
 """
 
+from ._lease_sync import SyncEventStream, SyncLeaderElection, SyncMembership
 from ._lease_table import Lease, LeaseEvent, NotHeldError, StaleTokenError, UnknownResourceError
 from ._map_ops import MapEntry, MapEvent, MapVersion
 from ._map_sync import SyncMapWatch, SyncPulsarMap
@@ -42,7 +43,10 @@ __all__ = [
     "PulsarMap",
     "StaleTokenError",
     "SyncCounter",
+    "SyncEventStream",
+    "SyncLeaderElection",
     "SyncMapWatch",
+    "SyncMembership",
     "SyncOwnership",
     "SyncPulsarMap",
     "UnknownResourceError",

@@ -19,6 +19,8 @@ from recipes import (
     Ownership,
     StaleTokenError,
     SyncCounter,
+    SyncLeaderElection,
+    SyncMembership,
     SyncOwnership,
     UnknownResourceError,
     claim,
@@ -252,3 +254,47 @@ async def test_membership_events(service_url: str, admin_url: str, topic: str) -
         assert await m1.members() == ["m2"]
         with pytest.raises(NotHeldError, match="not a member"):
             await m1.leave()
+
+
+async def test_sync_election_and_membership(service_url: str, admin_url: str, topic: str) -> None:
+    options = recipe_options(admin_url)
+
+    def run() -> None:
+        with (
+            SyncLeaderElection(service_url, f"{topic}-e", name="one", ttl=5, **options) as one,
+            SyncLeaderElection(service_url, f"{topic}-e", name="two", ttl=5, **options) as two,
+        ):
+            with two.leaders() as leaders:
+                assert leaders.next(timeout=30) is None
+                first = one.campaign(timeout=30)
+                assert leaders.next(timeout=30) == first
+                assert one.is_leader()
+                assert two.current_leader() == first
+                one.resign()
+                second = two.campaign(timeout=30)
+                assert second.token > first.token
+                assert leaders.next(timeout=30) is None  # resigned before two campaigned
+                assert leaders.next(timeout=30) == second
+            with pytest.raises(StopIteration):
+                next(iter(leaders))  # closed by leaving the with block
+        with (
+            SyncMembership(service_url, f"{topic}-m", name="m1", ttl=5, **options) as m1,
+            SyncMembership(service_url, f"{topic}-m", name="m2", ttl=5, **options) as m2,
+        ):
+            m1.join(timeout=30)
+            assert m2.members() == ["m1"]
+            with m2.events() as events:
+                m2.join(timeout=30)
+                m1.leave()
+                got = [events.next(timeout=30) for _ in range(3)]
+            assert [(e.kind, e.member) for e in got] == [
+                ("join", "m1"),
+                ("join", "m2"),
+                ("leave", "m1"),
+            ]
+            assert m1.members_local() in (["m2"], ["m1", "m2"])  # local: may lag
+            assert m1.members() == ["m2"]
+            with pytest.raises(NotHeldError):
+                m1.leave()
+
+    await asyncio.to_thread(run)
