@@ -7,7 +7,7 @@ applies from their next step on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
 from ._admin import TopicName
@@ -51,6 +51,11 @@ class Context:
     settings: Settings
     stats: ManagerStats
     closed: bool = False  # set once aclose() starts
+    # The labels of this manager's metrics.
+    attributes: dict[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.attributes = {"topic": str(self.topic), "writer_id": self.writer_id}
 
 
 class Setting(Generic[T]):

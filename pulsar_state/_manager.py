@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar, overload
 
+from . import _telemetry
 from ._admin import AdminClient, TopicName, resolve_admin_url
 from ._bootstrap import replay_to_tail
 from ._codecs import Codec, JsonCodec
@@ -331,6 +332,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
                 self._pending.watch_deadlines(), name=f"pulsar-state-deadlines-{topic}"
             ),
         ]
+        _telemetry.track(self)
         logger.info(
             "opened %s at position %d (%d records read)",
             topic,
@@ -348,6 +350,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         if self._context.closed:
             return
         self._context.closed = True
+        _telemetry.untrack(self)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
 

@@ -9,6 +9,7 @@ and :meth:`PendingWrites.reject` only; it never sees the queue.
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import logging
@@ -26,6 +27,7 @@ from ._errors import (
     WriteOutcomeUnknownError,
 )
 from ._records import OutgoingRecord
+from ._telemetry import observe_write
 from ._types import ManagerStats, WriteResult
 
 __all__ = ["PendingWrite", "PendingWrites", "RecordClaim"]
@@ -117,10 +119,20 @@ class PendingWrites:
             deadline=loop.time() + timeout,
             write_seq=next(self._write_seq),
         )
+        pending.future.add_done_callback(functools.partial(self._observe, loop.time()))
         self.queue.append(pending)
         heapq.heappush(self.deadlines, (pending.deadline, pending.write_seq, pending))
         self.wake.set()
         return pending.future
+
+    def _observe(self, submitted: float, future: asyncio.Future[WriteResult[Any]]) -> None:
+        if future.cancelled():
+            error: str | None = "CancelledError"
+        else:
+            failure = future.exception()
+            error = None if failure is None else type(failure).__name__
+        seconds = future.get_loop().time() - submitted
+        observe_write(self._stats, self._context.attributes, seconds, error)
 
     def take(self, count: int) -> list[PendingWrite]:
         batch = [self.queue.popleft() for _ in range(min(len(self.queue), count))]

@@ -447,10 +447,11 @@ def translate_errors(context: str, *, creating_writer: bool = False) -> Iterator
 class StateWriter:
     """An exclusive, non-batching producer on the state topic: one message per record."""
 
-    def __init__(self, producer: Any, topic: str) -> None:
+    def __init__(self, producer: Any, topic: str, *, fencing: bool = False) -> None:
         self._producer = producer
         self._topic = topic
         self._pid = os.getpid()
+        self.fencing = fencing  # taken by fencing the previous holder
 
     async def send(self, payload: bytes, *, key: str) -> LogPosition:
         _check_process(self._pid, f"the writer on {self._topic}")
@@ -672,7 +673,7 @@ class PulsarConnection:
             raise OperationTimeoutError(
                 f"acquiring the writer of {topic} took over {timeout_s}s"
             ) from exc
-        return StateWriter(producer, topic)
+        return StateWriter(producer, topic, fencing=fencing)
 
     async def create_reader(
         self,

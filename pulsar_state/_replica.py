@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -32,6 +33,7 @@ from ._errors import (
 from ._machine import StateMachine
 from ._pulsar import LogPosition, PulsarConnection, RawMessage, StateReader
 from ._retry import retry_transient
+from ._telemetry import observe_apply
 from ._types import AppliedRecord, OnCorrupt
 from ._waiters import Waiters
 
@@ -304,6 +306,7 @@ class Replica(Generic[S, Op]):
             if claim is not None:
                 claim.after_write(seqs[index], state)
 
+        started = time.perf_counter()
         try:
             self.state = self._machine.apply_record(
                 self.state, self.version + 1, decoded, after_write
@@ -319,6 +322,7 @@ class Replica(Generic[S, Op]):
                 cause=exc,
             )
             return
+        observe_apply(self._stats, self._context.attributes, time.perf_counter() - started)
         self.version += 1
         self.last_record_id = record.record_id
         self._stats.position = self.version
@@ -417,6 +421,7 @@ class Replica(Generic[S, Op]):
         deadline = asyncio.get_running_loop().time() + timeout
         what = f"capturing the tail of {self._context.topic}"
         target = await retry_transient(tail, deadline=deadline, what=what)
+        behind_from, started = self._stats.records_read, time.perf_counter()
         try:
             async with asyncio.timeout_at(deadline):
                 await self.wait_log(target)
@@ -424,6 +429,8 @@ class Replica(Generic[S, Op]):
             raise OperationTimeoutError(
                 f"could not catch up with {self._context.topic} in {timeout}s"
             ) from exc
+        self._stats.tail_lag_records = self._stats.records_read - behind_from
+        self._stats.tail_lag_seconds = time.perf_counter() - started
         return self.version
 
     def add_listener(self, listener: Callable[[AppliedRecord[Op]], None]) -> Callable[[], None]:

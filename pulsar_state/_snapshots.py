@@ -462,6 +462,7 @@ class SnapshotPolicy(Generic[S]):
         version, record_id = replica.version, replica.last_record_id
         log_position = replica.read_to or LogPosition(-1, -1)
         bytes_read = self._stats.bytes_read
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):
                 data = await asyncio.to_thread(encode_checked, self._codec, state)
@@ -477,6 +478,9 @@ class SnapshotPolicy(Generic[S]):
         self._last_version = max(self._last_version, version)
         self._bytes_at_last = max(self._bytes_at_last, bytes_read)
         self._stats.snapshots_written += 1
+        self._stats.snapshot_written_at = time.time()
+        self._stats.snapshot_size_bytes = manifest.size
+        self._stats.snapshot_duration_s = time.perf_counter() - started
         logger.info(
             "wrote snapshot %s of %s at position %d (%.1f MB, %d chunks)",
             manifest.snapshot_id,

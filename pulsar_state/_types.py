@@ -9,14 +9,19 @@ their historical name ``position``; the code behind them says ``version``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+import itertools
+import math
+from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
 from ._pulsar import LogPosition
 
 __all__ = [
+    "LATENCY_BUCKETS_S",
     "STATE_MACHINE_OPTIONS",
     "AppliedRecord",
+    "LatencyHistogram",
     "ManagerStats",
     "OnCorrupt",
     "ReplayProgress",
@@ -68,9 +73,41 @@ class ReplayProgress:
     snapshot_bytes: int = 0
 
 
+# Upper bounds, in seconds, of the latency histograms' buckets (Prometheus' defaults, plus
+# sub-millisecond ones: a local write or apply takes well under a millisecond).
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class LatencyHistogram:
+    """Durations in seconds, counted in :data:`LATENCY_BUCKETS_S` (plus one for larger)."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    sum_s: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self.sum_s += seconds
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``(upper bound, observations <= it)`` per bucket, the last bound ``inf``."""
+        bounds = [*LATENCY_BUCKETS_S, math.inf]
+        return list(zip(bounds, itertools.accumulate(self.counts), strict=True))
+
+
 @dataclass(slots=True)
 class ManagerStats:
-    """Counters for monitoring. Read with ``manager.stats``."""
+    """Counters and gauges for monitoring. Read with ``manager.stats``; exported by
+    :mod:`pulsar_state.metrics` (Prometheus) and through OpenTelemetry's API.
+
+    Counters only go up. A gauge that is not known yet (no snapshot written, no tail
+    captured) is None, never a sentinel.
+    """
 
     position: int = 0
     records_read: int = 0
@@ -84,6 +121,22 @@ class ManagerStats:
     snapshots_written: int = 0
     snapshot_loaded_position: int | None = None
     determinism_failures: int = 0
+    # Writes of this manager that failed, by error class name (e.g. OperationTimeoutError).
+    writes_failed: dict[str, int] = field(default_factory=dict)
+    # Times this manager took the writer by fencing its holder, and gave the writer up.
+    writer_fencings: int = 0
+    writer_releases: int = 0
+    # From submit to outcome, per write of this manager; per record applied by the replica.
+    write_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    apply_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    # The newest snapshot this manager wrote: when (Unix time), how big, how long it took.
+    snapshot_written_at: float | None = None
+    snapshot_size_bytes: int | None = None
+    snapshot_duration_s: float | None = None
+    # At the newest tail capture (latest read, sync, writer catch-up): how many records this
+    # replica was behind, and how long it took to reach the tail.
+    tail_lag_records: int | None = None
+    tail_lag_seconds: float | None = None
 
 
 # The options that define a manager's state machine: a recipe that brings its own machine

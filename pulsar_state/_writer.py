@@ -217,6 +217,8 @@ class Writer:
         self._producer_since = loop.time()
         self._pending.last_failure = None
         self._stats.writer_acquisitions += 1
+        if self._producer is not None and self._producer.fencing:
+            self._stats.writer_fencings += 1
         logger.debug("acquired the writer of %s", topic)
         # Exclusive from here on: catch up with everything appended before we got it.
         await self._bounded(self._catch_up(), "catching up after acquiring the writer")
@@ -240,6 +242,7 @@ class Writer:
     async def release(self) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
+            self._stats.writer_releases += 1
             await producer.close()
             logger.debug("released the writer of %s", self._topic)
 

@@ -22,9 +22,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import start_http_server as _start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from ._manager import SharedStateManager
+from ._telemetry import GAUGES
+from ._types import LatencyHistogram
 
 __all__ = ["COUNTERS", "ManagerCollector", "start_http_server"]
 
@@ -46,6 +53,14 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "writer_acquisitions": (
         "pulsar_state_writer_acquisitions",
         "Times this manager took the exclusive writer.",
+    ),
+    "writer_fencings": (
+        "pulsar_state_writer_fencings",
+        "Times this manager took the writer by fencing its holder.",
+    ),
+    "writer_releases": (
+        "pulsar_state_writer_releases",
+        "Times this manager gave the writer up (idle, turn, failure, close).",
     ),
     "snapshots_written": ("pulsar_state_snapshots_written", "Snapshots this manager wrote."),
     "determinism_failures": (
@@ -102,6 +117,32 @@ class ManagerCollector:
             "The position of the snapshot this replica opened from (absent when none).",
             labels=_LABELS,
         )
+        failed = CounterMetricFamily(
+            "pulsar_state_writes_failed",
+            "Writes of this manager that failed, by error class.",
+            labels=[*_LABELS, "error"],
+        )
+        histograms = {
+            "write_latency": HistogramMetricFamily(
+                "pulsar_state_write_duration_seconds",
+                "From a write's submission to its outcome (committed or failed).",
+                labels=_LABELS,
+            ),
+            "apply_latency": HistogramMetricFamily(
+                "pulsar_state_apply_duration_seconds",
+                "Applying one accepted record to the replica's state.",
+                labels=_LABELS,
+            ),
+        }
+        # The OpenTelemetry gauges, under Prometheus names (units spelled out).
+        gauges = {
+            name: (
+                GaugeMetricFamily(_prometheus_name(name, unit), text, labels=_LABELS),
+                value,
+            )
+            for name, (unit, text, value) in GAUGES.items()
+            if name != "pulsar_state.position"
+        }
         for manager in managers:
             labels = [str(manager.topic), manager.writer_id]
             stats = manager.stats
@@ -111,8 +152,29 @@ class ManagerCollector:
             halted.add_metric(labels, 0.0 if manager.halted is None else 1.0)
             if stats.snapshot_loaded_position is not None:
                 snapshot.add_metric(labels, float(stats.snapshot_loaded_position))
+            for error, count in sorted(stats.writes_failed.items()):
+                failed.add_metric([*labels, error], float(count))
+            for field, histogram_family in histograms.items():
+                histogram: LatencyHistogram = getattr(stats, field)
+                buckets = [
+                    ("+Inf" if bound == float("inf") else repr(bound), float(count))
+                    for bound, count in histogram.cumulative()
+                ]
+                histogram_family.add_metric(labels, buckets, histogram.sum_s)
+            for gauge_family, value in gauges.values():
+                current = value(stats)
+                if current is not None:
+                    gauge_family.add_metric(labels, current)
         yield from counters.values()
-        yield from (position, halted, snapshot)
+        yield from (position, halted, snapshot, failed)
+        yield from histograms.values()
+        yield from (gauge_family for gauge_family, _ in gauges.values())
+
+
+def _prometheus_name(name: str, unit: str) -> str:
+    base = name.replace(".", "_")
+    suffix = {"s": "_seconds", "By": "_bytes"}.get(unit, "")
+    return base if base.endswith(suffix) else base + suffix
 
 
 def start_http_server(

@@ -246,4 +246,6 @@ async def test_writes_that_change_nothing_append_nothing(
         with pytest.raises(ZeroDivisionError):  # the reader's error, its caller's
             await manager.write(lambda s: [], reader=lambda s: 1 / 0)
         assert manager.position == 2
+        assert manager.stats.writes_failed == {"ZeroDivisionError": 1}  # by error, for metrics
+        assert manager.stats.write_latency.count == 6
     assert await topic_message_count(service_url, topic) == 2

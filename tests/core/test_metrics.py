@@ -112,6 +112,18 @@ def test_counters_add_up_across_processes(broker: Broker, topic: str) -> None:
             == after[0]["pulsar_state_records_read_total"]
             - after[0]["pulsar_state_records_rejected_total"]
         )
+    # Every write's outcome timed once, every applied record's apply too; the latest reads
+    # captured the tail, so the lag gauges have values (and none is negative).
+    assert sum(sample["pulsar_state_write_duration_seconds_count"] for sample in after) == total
+    for sample in after:
+        applied = (
+            sample["pulsar_state_records_read_total"]
+            - sample["pulsar_state_records_rejected_total"]
+        )
+        assert sample["pulsar_state_apply_duration_seconds_count"] == applied
+        assert sample["pulsar_state_tail_lag_records"] >= 0
+        assert sample["pulsar_state_tail_lag_duration_seconds"] >= 0
+        assert "pulsar_state_writes_failed_total" not in sample  # nothing failed
     sent = sum(sample["pulsar_state_records_sent_total"] for sample in after)
     rejected_max = max(sample["pulsar_state_records_rejected_total"] for sample in after)
     assert sent - rejected_max == after[0]["pulsar_state_records_read_total"] - rejected_max
