@@ -31,9 +31,11 @@ from typing import Any, NoReturn, TypeVar
 
 try:
     import click
+    import rich.console
+    import rich.progress
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise SystemExit(
-        "pulsar-state: the command needs click: pip install 'pulsar-state[cli]'"
+        f"pulsar-state: the command needs {exc.name}: pip install 'pulsar-state[cli]'"
     ) from exc
 
 from pulsar_state import (
@@ -169,7 +171,7 @@ class Settings:
             value_codec=self.values(),
             snapshots=snapshots,
             admin_url=self.admin_url,
-            on_progress=_show_progress,
+            on_progress=_ReplayBar(),
             name="pulsar-state-cli",
             open_timeout_s=self.timeout,
             write_timeout_s=self.timeout,
@@ -181,14 +183,36 @@ class Settings:
         return self.output == "json"
 
 
-def _show_progress(progress: ReplayProgress) -> None:
-    """A long replay's progress on stderr, only for a person watching (a TTY)."""
-    if not sys.stderr.isatty():
-        return
-    total = "?" if progress.records_total is None else str(progress.records_total)
-    end = "\n" if progress.done else ""
-    click.echo(f"\rreplaying: {progress.records_read}/{total} records", err=True, nl=False)
-    click.echo(end, err=True, nl=False)
+class _ReplayBar:
+    """A long replay's progress bar on stderr (rich), only for a person watching (a TTY):
+    records read of the records to read (from a snapshot: of the log after it), and the
+    time left."""
+
+    def __init__(self) -> None:
+        self._bar: rich.progress.Progress | None = None
+        self._task: rich.progress.TaskID | None = None
+
+    def __call__(self, progress: ReplayProgress) -> None:
+        if not sys.stderr.isatty():
+            return
+        if self._bar is None:
+            self._bar = rich.progress.Progress(
+                rich.progress.TextColumn("replaying"),
+                rich.progress.BarColumn(),
+                rich.progress.MofNCompleteColumn(),
+                rich.progress.TextColumn("records"),
+                rich.progress.TimeRemainingColumn(),
+                console=rich.console.Console(stderr=True),
+                transient=True,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("replay", total=progress.records_total)
+        assert self._task is not None
+        self._bar.update(self._task, completed=progress.records_read, total=progress.records_total)
+        if progress.done:
+            self._bar.stop()
+            self._bar = None
+            click.echo(f"replayed {progress.records_read} records", err=True)
 
 
 def _emit(line: str) -> None:
@@ -719,7 +743,7 @@ def status(settings: Settings) -> None:
             copy_state=None,
             check_topic=False,
             open_timeout_s=settings.timeout,
-            on_progress=_show_progress,
+            on_progress=_ReplayBar(),
         )
         async with manager:
             position, counters = manager.position, manager.stats

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -346,3 +347,41 @@ def test_avro_values_by_schema_file(broker: Broker, topic: str, tmp_path: Path) 
     assert json.loads(logged)["writes"] == [
         [{"op": "PUT", "key": "j1", "value": {"name": "build", "tries": 2}}]
     ]
+
+
+def test_a_replay_shows_progress_on_a_terminal_only(
+    broker: Broker, topic: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({"key": f"k{i}", "value": i}) + "\n" for i in range(30)))
+    ok(pulsar_state(broker, topic, "load", "--chunk", "1", str(source)))  # 30 records
+    piped = pulsar_state(broker, topic, "ls")
+    assert "replay" not in ok(piped) + piped.stderr  # a script's stderr stays clean
+    # stderr on a terminal: the bar (rich) while replaying, then one line.
+    primary, secondary = pty.openpty()
+    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
+    env["PULSAR_ADMIN_URL"] = broker.admin_url
+    try:
+        done = subprocess.run(
+            [str(COMMAND), "-t", topic, "ls"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=secondary,
+            text=True,
+            timeout=120,
+        )
+        os.close(secondary)
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(primary)
+    assert done.returncode == 0
+    assert len(done.stdout.splitlines()) == 30
+    assert "replayed 30 records" in shown.decode(errors="replace")
