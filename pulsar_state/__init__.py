@@ -7,6 +7,7 @@ See the README for the model, the guarantees and the exception tree.
 from ._codecs import AvroCodec, BytesCodec, Codec, JsonCodec, StrCodec
 from ._envelope import SnapshotManifest
 from ._errors import (
+    AccessDeniedError,
     ApplyError,
     BrokerError,
     BrokerUnavailableError,
@@ -35,6 +36,7 @@ from ._types import STATE_MACHINE_OPTIONS, AppliedRecord, ManagerStats, ReplayPr
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessDeniedError",
     "AppliedRecord",
     "ApplyError",
     "AvroCodec",

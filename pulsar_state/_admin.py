@@ -4,6 +4,11 @@ Python Readers have no ``get_last_message_id`` and ``has_message_available`` has
 correctness bugs, so the tail of the log is captured explicitly through the admin API's
 ``lastMessageId``. The same API tells whether a topic is partitioned or would lose history.
 The standard library's HTTP client runs in a worker thread so the event loop never blocks.
+
+Secured clusters: every request carries the manager's credentials (a bearer token, evaluated
+per request so a refreshed one is used, or the caller's headers), https URLs use the same trust
+store and hostname rule as the binary client, and a 307 from a broker that does not own the
+topic is followed to the owner (http.client follows no redirect by itself).
 """
 
 from __future__ import annotations
@@ -11,14 +16,18 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
+import ssl
 import threading
 import urllib.parse
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt
 
 from ._errors import (
+    AccessDeniedError,
     BrokerError,
     BrokerUnavailableError,
     ConfigurationError,
@@ -28,7 +37,26 @@ from ._errors import (
 )
 from ._pulsar import LogPosition, http_cause, is_transient_cause
 
-__all__ = ["AdminClient", "TopicName", "default_admin_url", "resolve_admin_url"]
+__all__ = [
+    "AdminClient",
+    "HeaderSource",
+    "TokenSource",
+    "TopicName",
+    "admin_ssl_context",
+    "default_admin_url",
+    "resolve_admin_url",
+]
+
+logger = logging.getLogger("pulsar_state")
+
+# A bearer token, or a function returning the current one (called per request).
+TokenSource = str | Callable[[], str]
+# Extra request headers (e.g. an OAuth2 bearer header), or a function returning them per request.
+HeaderSource = Mapping[str, str] | Callable[[], Mapping[str, str]]
+
+# Hops followed from one broker to the next before giving up: ownership that keeps moving.
+_MAX_REDIRECTS = 5
+_REDIRECTS = (301, 302, 303, 307, 308)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,30 +125,104 @@ def resolve_admin_url(pulsar: Any, admin_url: str | None) -> str:
     )
 
 
+def admin_ssl_context(trust_certs_file_path: str | None, validate_hostname: bool) -> ssl.SSLContext:
+    """The TLS settings of https admin URLs: the binary client's trust store and hostname rule
+    (``tls_trust_certs_file_path``, ``tls_validate_hostname``), so both paths trust alike."""
+    try:
+        context = ssl.create_default_context(cafile=trust_certs_file_path)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigurationError(
+            f"tls_trust_certs_file_path={trust_certs_file_path!r} cannot be loaded as PEM "
+            f"certificates: {exc}"
+        ) from exc
+    context.check_hostname = validate_hostname
+    return context
+
+
+def _token_header(token: TokenSource) -> dict[str, str]:
+    value = token() if callable(token) else token
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigurationError(
+            f"the authentication token must be a non-empty string, got {type(value).__name__}"
+        )
+    return {"Authorization": f"Bearer {value.strip()}"}
+
+
+def _with_authoritative(location: str) -> str:
+    """A redirect target asking the broker to serve, not redirect again (as lookups do)."""
+    parts = urllib.parse.urlsplit(location)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    if not any(name == "authoritative" for name, _ in query):
+        query.append(("authoritative", "true"))
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+
+
 class AdminClient:
-    """A minimal asynchronous client for Pulsar's admin REST API."""
+    """A minimal asynchronous client for Pulsar's admin REST API.
+
+    ``token`` (or ``headers_source``) authenticates every request; ``ssl_context`` is used for
+    https URLs; redirects to another broker are followed (at most a few hops), credentials kept.
+    """
 
     def __init__(
-        self, admin_url: str, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None
+        self,
+        admin_url: str,
+        *,
+        timeout_s: float = 10.0,
+        headers: dict[str, str] | None = None,
+        token: TokenSource | None = None,
+        headers_source: HeaderSource | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.admin_url = admin_url.rstrip("/")
+        parts = urllib.parse.urlsplit(self.admin_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigurationError(
+                f"admin_url {admin_url!r} is not an http(s) URL (e.g. http://host:8080)"
+            )
+        if token is not None and not (isinstance(token, str) or callable(token)):
+            raise ConfigurationError(
+                f"token must be a str or a function returning one, not {type(token).__name__}"
+            )
+        if isinstance(token, str):
+            _token_header(token)  # refuse an empty token now, not at the first request
         self.timeout_s = timeout_s
         self._headers = {"Accept": "application/json", **(headers or {})}
-        self._conn: http.client.HTTPConnection | None = None
+        self._token = token
+        self._headers_source = headers_source
+        self._ssl_context = ssl_context
+        # Kept-alive connections, one per (scheme, host:port): the configured broker and
+        # those redirects lead to.
+        self._conns: dict[tuple[str, str], http.client.HTTPConnection] = {}
         self._lock = threading.Lock()
 
-    def _connection(self) -> http.client.HTTPConnection:
-        # One kept-alive connection: a new one per call costs about 10 ms, and the tail
-        # position is fetched on every linearizable read.
-        if self._conn is None:
-            parts = urllib.parse.urlsplit(self.admin_url)
-            factory = (
-                http.client.HTTPSConnection
-                if parts.scheme == "https"
-                else http.client.HTTPConnection
-            )
-            self._conn = factory(parts.netloc, timeout=self.timeout_s)
-        return self._conn
+    @property
+    def authenticated(self) -> bool:
+        """Whether requests carry credentials."""
+        return self._token is not None or self._headers_source is not None
+
+    def _request_headers(self) -> dict[str, str]:
+        headers = dict(self._headers)
+        if self._headers_source is not None:
+            source = self._headers_source
+            headers.update(source() if callable(source) else source)
+        if self._token is not None:
+            headers.update(_token_header(self._token))
+        return headers
+
+    def _connection(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+        # Kept alive: a new connection per call costs about 10 ms, and the tail position is
+        # fetched on every linearizable read.
+        conn = self._conns.get((scheme, netloc))
+        if conn is None:
+            if scheme == "https":
+                conn = http.client.HTTPSConnection(
+                    netloc, timeout=self.timeout_s, context=self._ssl_context
+                )
+            else:
+                conn = http.client.HTTPConnection(netloc, timeout=self.timeout_s)
+            self._conns[(scheme, netloc)] = conn
+        return conn
 
     def _get_blocking(self, path: str) -> tuple[int, Any]:
         with self._lock:
@@ -137,6 +239,12 @@ class AdminClient:
                 timed_out = OperationTimeoutError(f"admin GET {path} timed out")
                 timed_out.retriable = is_transient_cause("http timeout")
                 raise timed_out from exc
+            except ssl.SSLError as exc:
+                # A certificate that is not trusted will not become trusted by asking again.
+                raise ConfigurationError(
+                    f"TLS to the admin API at {self.admin_url} failed ({exc}): check "
+                    "tls_trust_certs_file_path and tls_validate_hostname"
+                ) from exc
             except (http.client.HTTPException, OSError) as exc:
                 unreachable = BrokerUnavailableError(
                     f"admin API at {self.admin_url} unreachable ({exc}); pass "
@@ -151,14 +259,36 @@ class AdminClient:
         return status, detail
 
     def _request(self, path: str) -> tuple[int, bytes]:
-        base = urllib.parse.urlsplit(self.admin_url).path.rstrip("/")
+        parts = urllib.parse.urlsplit(self.admin_url)
+        scheme, netloc = parts.scheme, parts.netloc
+        target = parts.path.rstrip("/") + path
+        headers = self._request_headers()
+        for _hop in range(_MAX_REDIRECTS + 1):
+            status, body, location = self._request_once(scheme, netloc, target, headers)
+            if status not in _REDIRECTS or not location:
+                return status, body
+            # A broker that does not own the topic names the one that does: ask it, with the
+            # same credentials (brokers of one cluster share them).
+            moved = urllib.parse.urlsplit(
+                urllib.parse.urljoin(f"{scheme}://{netloc}{target}", location)
+            )
+            scheme, netloc = moved.scheme, moved.netloc
+            target = _with_authoritative(
+                urllib.parse.urlunsplit(("", "", moved.path, moved.query, ""))
+            )
+            logger.debug("admin GET %s: %d to %s://%s%s", path, status, scheme, netloc, target)
+        return status, body  # still a redirect after the last hop: the caller reports it
+
+    def _request_once(
+        self, scheme: str, netloc: str, target: str, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None]:
         try:
-            conn = self._connection()
-            conn.request("GET", base + path, headers=self._headers)
+            conn = self._connection(scheme, netloc)
+            conn.request("GET", target, headers=headers)
             response = conn.getresponse()
-            return response.status, response.read()
+            return response.status, response.read(), response.getheader("Location")
         except (http.client.HTTPException, OSError):
-            self._drop()
+            self._drop(scheme, netloc)
             raise
 
     async def close(self) -> None:
@@ -169,21 +299,43 @@ class AdminClient:
         with self._lock:  # not under a request running in another thread
             self._drop()
 
-    def _drop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+    def _drop(self, scheme: str | None = None, netloc: str | None = None) -> None:
+        """Close the connection to one broker, or all of them."""
+        for key in list(self._conns):
+            if scheme is None or key == (scheme, netloc):
+                self._conns.pop(key).close()
 
     async def get(self, path: str) -> tuple[int, Any]:
         return await asyncio.to_thread(self._get_blocking, path)
 
     async def get_ok(self, path: str) -> Any:
         status, body = await self.get(path)
+        if status in (401, 403):
+            raise self.access_denied(path, status, body)
         if status != 200:
             error = BrokerError(f"admin GET {path} answered {status}: {body}", result=str(status))
             error.retriable = is_transient_cause(http_cause(status))
             raise error
         return body
+
+    def access_denied(self, path: str, status: int, body: Any) -> AccessDeniedError:
+        """The error of a 401 (no or bad credentials) or 403 (no permission) answer."""
+        if status == 401:
+            how = (
+                "the credentials sent were refused (invalid or expired token?)"
+                if self.authenticated
+                else "no credentials were sent: pass authentication= (a token) or, with a "
+                "pulsar.Authentication object, admin_headers="
+            )
+            message = f"admin GET {path} at {self.admin_url} answered 401 Unauthorized: {how}"
+        else:
+            message = (
+                f"admin GET {path} at {self.admin_url} answered 403 Forbidden: the role lacks "
+                "permission; grant it produce and consume on the topic's namespace"
+            )
+        if isinstance(body, dict) and body.get("reason"):  # not Jetty's HTML page
+            message += f" ({body['reason']})"
+        return AccessDeniedError(message, result=str(status))
 
     async def last_position(self, topic: TopicName) -> LogPosition | None:
         """The position of the topic's last message, or None when the topic holds none."""
@@ -228,27 +380,59 @@ class AdminClient:
                 size += ledger_size * left // entries
         return messages, size
 
-    async def check_topic(self, topic: TopicName) -> None:
-        """Refuse a partitioned topic and one whose policies would lose history."""
+    async def check_access(self, topic: TopicName, *, refuse_partitioned: bool = True) -> None:
+        """Fail fast on credentials the broker refuses (the binary client only times out on
+        them: the broker drops its connection), and on a partitioned topic."""
         status, body = await self.get(topic.rest_path + "/partitions")
-        if status == 200 and int((body or {}).get("partitions", 0)) > 0:
+        if status in (401, 403):
+            raise self.access_denied(topic.rest_path + "/partitions", status, body)
+        if refuse_partitioned and status == 200 and int((body or {}).get("partitions", 0)) > 0:
             raise PartitionedTopicError(
                 f"{topic} is partitioned ({body['partitions']} partitions): replicated state "
                 "needs a non-partitioned topic, the only kind with one total order",
                 topic=str(topic),
             )
-        retention = await self.get_ok(topic.rest_path + "/retention?applied=true") or {}
-        minutes = int(retention.get("retentionTimeInMinutes", 0))
-        size_mb = int(retention.get("retentionSizeInMB", 0))
-        if minutes != -1 or size_mb != -1:
-            raise UnsafeTopicPolicyError(
-                f"{topic} has retention time={minutes} min, size={size_mb} MB: readers hold no "
-                "data, so history would be trimmed. Set infinite retention, e.g. "
-                f"`pulsar-admin namespaces set-retention {topic.tenant}/{topic.namespace} "
-                "--time -1 --size -1`",
-                topic=str(topic),
-            )
-        threshold = await self.get_ok(topic.rest_path + "/compactionThreshold?applied=true")
+
+    async def check_topic(self, topic: TopicName, *, require_policies: bool = False) -> list[str]:
+        """Refuse a partitioned topic and one whose policies would lose history.
+
+        A role with only produce and consume permission may not read policies (the broker
+        answers 403). Then, unless ``require_policies``, the policies it could not read are
+        logged in one WARNING and returned, and the check goes on: such a role must still be
+        able to use the topic, and an operator checks them with ``pulsar-state doctor``.
+        """
+        await self.check_access(topic)
+        return await self.check_policies(topic, require_policies=require_policies)
+
+    async def check_policies(
+        self, topic: TopicName, *, require_policies: bool = False
+    ) -> list[str]:
+        """The policy half of :meth:`check_topic`; returns the policies it could not read."""
+        unchecked: list[str] = []
+
+        async def policy(name: str, path: str) -> Any:
+            status, body = await self.get(topic.rest_path + path)
+            if status == 403 and not require_policies:
+                unchecked.append(name)
+                return None
+            if status != 200:
+                return await self.get_ok(topic.rest_path + path)  # raises the clear error
+            return body
+
+        retention = await policy("retention", "/retention?applied=true")
+        if "retention" not in unchecked:
+            retention = retention or {}
+            minutes = int(retention.get("retentionTimeInMinutes", 0))
+            size_mb = int(retention.get("retentionSizeInMB", 0))
+            if minutes != -1 or size_mb != -1:
+                raise UnsafeTopicPolicyError(
+                    f"{topic} has retention time={minutes} min, size={size_mb} MB: readers hold "
+                    "no data, so history would be trimmed. Set infinite retention, e.g. "
+                    f"`pulsar-admin namespaces set-retention {topic.tenant}/{topic.namespace} "
+                    "--time -1 --size -1`",
+                    topic=str(topic),
+                )
+        threshold = await policy("compaction threshold", "/compactionThreshold?applied=true")
         if threshold not in (None, 0):
             raise UnsafeTopicPolicyError(
                 f"{topic} has automatic compaction on (threshold {threshold} bytes): compaction "
@@ -256,10 +440,22 @@ class AdminClient:
                 "threshold on the topic and its namespace",
                 topic=str(topic),
             )
-        inactive = await self.get_ok(topic.rest_path + "/inactiveTopicPolicies?applied=true") or {}
-        if inactive.get("deleteWhileInactive"):
+        inactive = await policy("inactive-topic policy", "/inactiveTopicPolicies?applied=true")
+        if (inactive or {}).get("deleteWhileInactive"):
             raise UnsafeTopicPolicyError(
                 f"{topic} is deleted when inactive ({inactive}): its history would be lost. Set "
                 "brokerDeleteInactiveTopicsEnabled=false or an inactive-topic policy that keeps it",
                 topic=str(topic),
             )
+        if unchecked:
+            logger.warning(
+                "could not check the %s of %s: this role may not read topic policies (HTTP "
+                "403). If one of them trims or deletes the topic, history is lost. An operator "
+                "with an admin role checks them with `pulsar-state --admin-url %s --topic %s "
+                "doctor` (with its token in PULSAR_STATE_AUTH_TOKEN)",
+                ", ".join(unchecked),
+                topic,
+                self.admin_url,
+                topic,
+            )
+        return unchecked

@@ -8,7 +8,8 @@
     │   ├── PartitionedTopicError         partitioned topics have no total order
     │   └── UnsafeTopicPolicyError        retention / compaction / deletion would lose history
     ├── BrokerError                       the broker refused or failed a call (retriable)
-    │   └── BrokerUnavailableError        cannot connect / lookup failed (retriable)
+    │   ├── BrokerUnavailableError        cannot connect / lookup failed (retriable)
+    │   └── AccessDeniedError             no or bad credentials (401) or no permission (403)
     ├── OperationTimeoutError             a call did not finish in time (a TimeoutError; retriable)
     ├── WriterBusyError                   another process holds the topic's writer (retriable)
     ├── FencedError                       this process's writer was taken over (retriable)
@@ -29,6 +30,7 @@ exception, unchanged: it is the caller's error, not the library's.
 from __future__ import annotations
 
 __all__ = [
+    "AccessDeniedError",
     "ApplyError",
     "BrokerError",
     "BrokerUnavailableError",
@@ -94,6 +96,15 @@ class BrokerError(PulsarStateError):
 
 class BrokerUnavailableError(BrokerError):
     """The broker could not be reached."""
+
+
+class AccessDeniedError(BrokerError):
+    """The broker refused the credentials (none, invalid, expired) or the role's permission.
+
+    Not retriable: only new credentials or a grant can help.
+    """
+
+    retriable = False
 
 
 class OperationTimeoutError(PulsarStateError, TimeoutError):

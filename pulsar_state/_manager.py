@@ -23,13 +23,14 @@ import asyncio
 import contextlib
 import copy
 import logging
+import os
 import uuid
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from . import _telemetry
-from ._admin import AdminClient, TopicName, resolve_admin_url
+from ._admin import AdminClient, HeaderSource, TopicName, admin_ssl_context, resolve_admin_url
 from ._bootstrap import replay_to_tail
 from ._codecs import Codec, JsonCodec
 from ._context import Context, Settings, Tunables
@@ -42,7 +43,7 @@ from ._errors import (
 )
 from ._machine import StateMachine
 from ._pending import PendingWrites
-from ._pulsar import PulsarConnection
+from ._pulsar import PulsarConnection, client_authentication
 from ._records import RecordBuilder
 from ._replica import Replica
 from ._retry import retry_transient
@@ -82,6 +83,65 @@ async def _cancel(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+
+
+def _secured_client_options(
+    client_options: dict[str, Any] | None,
+    authentication: Any,
+    trust_certs: str | None,
+    validate_hostname: bool | None,
+) -> dict[str, Any]:
+    """``client_options`` plus the binary client's credentials and TLS settings."""
+    options = dict(client_options or {})
+    binary_auth, _token = client_authentication(authentication)
+    if binary_auth is not None:
+        if "authentication" in options:
+            raise ConfigurationError(
+                "authentication given twice: pass it as authentication= only (it covers the "
+                "admin REST calls too), not also in client_options"
+            )
+        options["authentication"] = binary_auth
+    for key, value in (
+        ("tls_trust_certs_file_path", trust_certs),
+        ("tls_validate_hostname", validate_hostname),
+    ):
+        if value is None:
+            continue
+        if key in options and options[key] != value:
+            raise ConfigurationError(
+                f"{key} given twice, differently (argument and client_options)"
+            )
+        options[key] = value
+    trust = options.get("tls_trust_certs_file_path")
+    if trust is not None and not (isinstance(trust, str) and os.path.isfile(trust)):
+        raise ConfigurationError(f"tls_trust_certs_file_path={trust!r} is not a readable file")
+    if not isinstance(options.get("tls_validate_hostname", False), bool):
+        raise ConfigurationError("tls_validate_hostname must be True or False")
+    return options
+
+
+def _admin_client(
+    admin_url: str,
+    authentication: Any,
+    admin_headers: HeaderSource | None,
+    client_options: dict[str, Any],
+) -> AdminClient:
+    """The admin REST client with the same credentials and trust as the binary client."""
+    _binary_auth, token = client_authentication(authentication)
+    if admin_headers is not None and not (
+        callable(admin_headers) or isinstance(admin_headers, dict)
+    ):
+        raise ConfigurationError(
+            "admin_headers= takes a dict of headers or a function returning one, not "
+            f"{type(admin_headers).__name__}"
+        )
+    context = None
+    if admin_url.lower().startswith("https:"):
+        context = admin_ssl_context(
+            client_options.get("tls_trust_certs_file_path"),
+            bool(client_options.get("tls_validate_hostname", False)),
+        )
+    return AdminClient(admin_url, token=token, headers_source=admin_headers, ssl_context=context)
 
 
 class SharedStateManager(Tunables, Generic[S, Op]):
@@ -133,7 +193,18 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         snapshot_chunk_bytes: snapshot chunk size (one message each; no overall size cap).
         load_snapshot: open from the newest good snapshot (default) or replay everything.
         name: a label for logs and the writer id.
-        client_options: extra ``pulsar.Client`` options (authentication, TLS, ...).
+        authentication: credentials for every connection the manager makes. A token (str, or
+            a function returning the current one, called again when needed) authenticates
+            both the binary client (``pulsar.AuthenticationToken``) and the admin REST calls
+            (``Authorization: Bearer``). A ``pulsar.Authentication`` object (OAuth2, TLS...)
+            goes to the binary client only: give the REST calls ``admin_headers=``.
+        admin_headers: extra headers of every admin REST request (a mapping, or a function
+            returning one per request), e.g. ``{"Authorization": "Bearer ..."}``.
+        tls_trust_certs_file_path: the CA certificates (PEM) that the binary client and https
+            admin URLs trust (default: the system's).
+        tls_validate_hostname: check that the broker's certificate names its host (both
+            paths; default False, as pulsar-client).
+        client_options: extra ``pulsar.Client`` options (listener_name, io_threads, ...).
     """
 
     def __init__(
@@ -166,13 +237,22 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         snapshot_chunk_bytes: int = 1024 * 1024,
         load_snapshot: bool = True,
         name: str | None = None,
+        authentication: Any = None,
+        admin_headers: HeaderSource | None = None,
+        tls_trust_certs_file_path: str | None = None,
+        tls_validate_hostname: bool | None = None,
         client_options: dict[str, Any] | None = None,
     ) -> None:
         if on_corrupt not in ("halt", "skip"):
             raise ConfigurationError(f"on_corrupt must be 'halt' or 'skip', not {on_corrupt!r}")
         self.topic = TopicName.parse(topic)
         self._pulsar_arg = pulsar
-        self._admin = AdminClient(resolve_admin_url(pulsar, admin_url))
+        client_options = _secured_client_options(
+            client_options, authentication, tls_trust_certs_file_path, tls_validate_hostname
+        )
+        self._admin = _admin_client(
+            resolve_admin_url(pulsar, admin_url), authentication, admin_headers, client_options
+        )
         self._check_topic = check_topic
         self._settings = Settings(
             idle_release_s=idle_release_s,
@@ -271,6 +351,26 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         else:
             self._conn = PulsarConnection.wrap(self._pulsar_arg)
         conn, topic, replica = self._conn, str(self.topic), self._replica
+        # A pulsar.Authentication object's credentials stay inside the C++ client.
+        rest_blind = not self._admin.authenticated and "authentication" in (
+            self._client_options or {}
+        )
+        if rest_blind:
+            logger.warning(
+                "the Pulsar client of %s has credentials but the admin REST calls to %s have "
+                "none (a pulsar.Authentication object cannot lend them): they will be "
+                "refused on a secured cluster. Pass a token as authentication= or the "
+                "REST headers as admin_headers=",
+                topic,
+                self._admin.admin_url,
+            )
+        if self._check_topic or not rest_blind:
+            # Refused credentials fail here at once; the binary client only times out on them.
+            await retry_transient(
+                lambda: self._admin.check_access(self.topic, refuse_partitioned=self._check_topic),
+                deadline=deadline,
+                what=f"checking access to {topic}",
+            )
         # Each step is retried on transient failures (a broker restarting) up to the deadline;
         # each is idempotent. Creating the reader also creates the topic, so policies exist.
         await retry_transient(
@@ -278,7 +378,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         )
         if self._check_topic:
             await retry_transient(
-                lambda: self._admin.check_topic(self.topic),
+                lambda: self._admin.check_policies(self.topic),
                 deadline=deadline,
                 what=f"checking the policies of {topic}",
             )

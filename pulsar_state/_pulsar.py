@@ -39,6 +39,7 @@ from ._errors import (
     BrokerError,
     BrokerUnavailableError,
     ClosedError,
+    ConfigurationError,
     FencedError,
     OperationTimeoutError,
     PulsarStateError,
@@ -57,6 +58,7 @@ __all__ = [
     "StateReader",
     "StateWriter",
     "TRANSIENT",
+    "client_authentication",
     "http_cause",
     "is_transient_cause",
     "translate_errors",
@@ -585,6 +587,31 @@ class StateReader:
                 await wait_bounded(self._async_reader.close(), _CLOSE_TIMEOUT_S)
         except (PulsarStateError, TimeoutError) as exc:
             logger.debug("closing reader on %s: %s", self._topic, exc)
+
+
+def client_authentication(authentication: Any) -> tuple[Any, str | Callable[[], str] | None]:
+    """The binary client's ``pulsar.Authentication`` for the manager's ``authentication=``,
+    and the token the admin REST client can send too (None for other kinds).
+
+    A token (str, or a function returning the current one) becomes ``AuthenticationToken``,
+    which calls the function again when it reconnects; any ``pulsar.Authentication`` (OAuth2,
+    TLS, Athenz...) is passed through, and its credentials stay inside the C++ client.
+    """
+    if authentication is None:
+        return None, None
+    if isinstance(authentication, pulsar.Authentication):
+        return authentication, None
+    if isinstance(authentication, str):
+        if not authentication.strip():
+            raise ConfigurationError("authentication= is an empty token")
+        return pulsar.AuthenticationToken(authentication.strip()), authentication.strip()
+    if callable(authentication):
+        return pulsar.AuthenticationToken(authentication), authentication
+    raise ConfigurationError(
+        "authentication= takes a token (str), a function returning one, or a "
+        f"pulsar.Authentication (AuthenticationOauth2, AuthenticationTLS...), not "
+        f"{type(authentication).__name__}"
+    )
 
 
 class PulsarConnection:

@@ -152,6 +152,10 @@ class Settings:
     value_codec: str  # one of CODECS, or "avro" with value_schema
     timeout: float
     value_schema: dict[str, Any] | None = None
+    auth_token: str | None = None
+
+    def admin(self) -> AdminClient:
+        return AdminClient(self.admin_url, token=self.auth_token)
 
     def values(self) -> Codec[Any]:
         if self.value_schema is not None:
@@ -171,6 +175,7 @@ class Settings:
             value_codec=self.values(),
             snapshots=snapshots,
             admin_url=self.admin_url,
+            authentication=self.auth_token,
             on_progress=_ReplayBar(),
             name="pulsar-state-cli",
             open_timeout_s=self.timeout,
@@ -275,6 +280,12 @@ async def _with_map(settings: Settings, use: Callable[[PulsarMap[Any, Any]], Awa
     help="Its admin REST URL (env PULSAR_ADMIN_URL; default derived from the service URL).",
 )
 @click.option(
+    "--auth-token",
+    envvar="PULSAR_STATE_AUTH_TOKEN",
+    help="A token for a secured cluster, sent on every connection (env PULSAR_STATE_AUTH_TOKEN; "
+    "doctor needs an admin role's).",
+)
+@click.option(
     "-t", "--topic", envvar="PULSAR_STATE_TOPIC", help="The state topic (env PULSAR_STATE_TOPIC)."
 )
 @click.option(
@@ -312,6 +323,7 @@ def cli(
     ctx: click.Context,
     service_url: str,
     admin_url: str | None,
+    auth_token: str | None,
     topic: str | None,
     output: str,
     key_codec: str,
@@ -335,6 +347,7 @@ def cli(
         key_codec=key_codec,
         value_codec=value_codec,
         timeout=timeout,
+        auth_token=auth_token or None,
     )
     if value_schema is not None:
         try:
@@ -718,7 +731,7 @@ def status(settings: Settings) -> None:
 
     async def work() -> dict[str, Any]:
         topic = TopicName.parse(settings.need_topic())
-        admin = AdminClient(settings.admin_url)
+        admin = settings.admin()
         try:
             code, _ = await admin.get(topic.rest_path + "/stats")
             if code == 404:
@@ -726,8 +739,8 @@ def status(settings: Settings) -> None:
             stats = await admin.get_ok(topic.rest_path + "/stats")
             tail = await admin.last_position(topic)
             try:
-                await admin.check_topic(topic)
-                policies = "ok"
+                unchecked = await admin.check_topic(topic)
+                policies = f"not checked (HTTP 403): {', '.join(unchecked)}" if unchecked else "ok"
             except PulsarStateError as exc:
                 policies = str(exc)
         finally:
@@ -740,6 +753,7 @@ def status(settings: Settings) -> None:
             apply=lambda state, op: state,
             codec=BytesCodec(),
             admin_url=settings.admin_url,
+            authentication=settings.auth_token,
             copy_state=None,
             check_topic=False,
             open_timeout_s=settings.timeout,
@@ -797,7 +811,7 @@ def doctor(settings: Settings) -> None:
     """
 
     async def work() -> list[dict[str, Any]]:
-        admin = AdminClient(settings.admin_url)
+        admin = settings.admin()
         checks: list[dict[str, Any]] = []
         try:
             runtime = await admin.get_ok("/admin/v2/brokers/configuration/runtime")
@@ -815,7 +829,8 @@ def doctor(settings: Settings) -> None:
             if settings.topic:
                 topic = TopicName.parse(settings.topic)
                 try:
-                    await admin.check_topic(topic)
+                    # Unlike an application's open, the doctor must read every policy.
+                    await admin.check_topic(topic, require_policies=True)
                     checks.append(
                         {"check": f"topic {topic}", "ok": True, "actual": None, "fix": None}
                     )
@@ -844,11 +859,16 @@ def snapshot() -> None:
 
 
 async def _with_snapshots(settings: Settings, use: Callable[[Any], Awaitable[T]]) -> T:
+    from pulsar_state._manager import _secured_client_options
     from pulsar_state._pulsar import PulsarConnection
     from pulsar_state._snapshots import SnapshotStore
 
-    conn = PulsarConnection(settings.service_url, operation_timeout_s=settings.timeout)
-    admin = AdminClient(settings.admin_url)
+    conn = PulsarConnection(
+        settings.service_url,
+        operation_timeout_s=settings.timeout,
+        client_options=_secured_client_options(None, settings.auth_token, None, None),
+    )
+    admin = settings.admin()
     try:
         store = SnapshotStore(
             conn,

@@ -301,12 +301,16 @@ def provide_broker(
     )
 
 
-def admin_request(admin_url: str, method: str, path: str, body: Any = None) -> Any:
-    """A raw admin REST call for tests that change broker policies."""
+def admin_request(
+    admin_url: str, method: str, path: str, body: Any = None, *, token: str | None = None
+) -> Any:
+    """A raw admin REST call for tests that change broker policies (``token``: a secured
+    broker's superuser token, sent as ``Authorization: Bearer``)."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        admin_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(admin_url + path, data=data, method=method, headers=headers)
     with urllib.request.urlopen(request, timeout=10) as response:
         text = response.read()
         return json.loads(text) if text.strip() else None
