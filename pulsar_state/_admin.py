@@ -320,21 +320,27 @@ class AdminClient:
 
     def access_denied(self, path: str, status: int, body: Any) -> AccessDeniedError:
         """The error of a 401 (no or bad credentials) or 403 (no permission) answer."""
-        if status == 401:
-            how = (
-                "the credentials sent were refused (invalid or expired token?)"
-                if self.authenticated
-                else "no credentials were sent: pass authentication= (a token) or, with a "
-                "pulsar.Authentication object, admin_headers="
-            )
-            message = f"admin GET {path} at {self.admin_url} answered 401 Unauthorized: {how}"
-        else:
+        reason = body.get("reason") if isinstance(body, dict) else None  # not Jetty's HTML
+        # Pulsar answers 401 also to a valid role without permission ("Unauthorized to
+        # validateTopicOperation ..."): that needs a grant, not other credentials.
+        if status == 403 or (reason and str(reason).startswith("Unauthorized to")):
             message = (
-                f"admin GET {path} at {self.admin_url} answered 403 Forbidden: the role lacks "
+                f"admin GET {path} at {self.admin_url} answered {status}: the role lacks "
                 "permission; grant it produce and consume on the topic's namespace"
             )
-        if isinstance(body, dict) and body.get("reason"):  # not Jetty's HTML page
-            message += f" ({body['reason']})"
+        elif self.authenticated:
+            message = (
+                f"admin GET {path} at {self.admin_url} answered 401 Unauthorized: the "
+                "credentials sent were refused (an invalid or expired token?)"
+            )
+        else:
+            message = (
+                f"admin GET {path} at {self.admin_url} answered 401 Unauthorized: no "
+                "credentials were sent: pass authentication= (a token) or, with a "
+                "pulsar.Authentication object, admin_headers="
+            )
+        if reason:
+            message += f" ({reason})"
         return AccessDeniedError(message, result=str(status))
 
     async def last_position(self, topic: TopicName) -> LogPosition | None:
