@@ -109,9 +109,11 @@ async def test_a_token_function_is_asked_again_for_each_admin_request(
 
     async with _manager(secured_broker, secured_topic, current_token) as manager:
         await manager.write(lambda s: [{"key": "a", "value": 1}])
+        assert await manager.read(lambda s: dict(s), latest=True) == {"a": 1}
         before = calls
+        stats = TopicName.parse(secured_topic).rest_path + "/stats"
         for _ in range(3):
-            await manager.sync()
+            await manager._admin.get_ok(stats)  # test-only peek: the manager's REST client
         # The binary client may call it too; each admin request calls it once at least.
         assert calls >= before + 3
 
