@@ -14,7 +14,9 @@ import hashlib
 import hmac
 import json
 import os
+import shutil
 import socket
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,12 +54,28 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
+def make_certificate(where: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (PKCS#8 PEM), with openssl."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.fail("the openssl command is needed to make the broker's certificate")
+    cert, key = where / "broker-cert.pem", where / "broker-key.pem"
+    command = "req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=127.0.0.1 -addext "
+    command += f"subjectAltName=IP:127.0.0.1 -keyout {key} -out {cert}"
+    subprocess.run([openssl, *command.split()], check=True, capture_output=True)
+    return cert, key
+
+
 @dataclass
 class SecuredBroker:
     broker: Broker
     admin_token: str
     app_token: str
     secret: bytes
+    # TLS listeners beside the plain ones, with a certificate made for 127.0.0.1.
+    tls_service_url: str
+    tls_admin_url: str
+    ca_file: Path
 
     @property
     def service_url(self) -> str:
@@ -71,10 +89,22 @@ class SecuredBroker:
         return make_token(self.secret, role)
 
 
-def secured_settings(secret: bytes, admin_token: str) -> str:
+def secured_settings(
+    secret: bytes, admin_token: str, tls: tuple[Path, Path, int, int] | None = None
+) -> str:
     key = base64.b64encode(secret).decode()
+    tls_lines = []
+    if tls is not None:
+        cert, tls_key, broker_tls_port, web_tls_port = tls
+        tls_lines = [
+            f"brokerServicePortTls={broker_tls_port}",
+            f"webServicePortTls={web_tls_port}",
+            f"tlsCertificateFilePath={cert}",
+            f"tlsKeyFilePath={tls_key}",
+        ]
     return "\n".join(
         [
+            *tls_lines,
             "authenticationEnabled=true",
             "authorizationEnabled=true",
             "authenticationProviders=org.apache.pulsar.broker.authentication."
@@ -95,9 +125,12 @@ def secured_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured
     secret = os.urandom(32)
     admin_token = make_token(secret, SUPERUSER)
     home: Path = tmp_path_factory.mktemp("secured-pulsar")
+    cert, tls_key = make_certificate(home)
+    broker_port, web_port, bookie_port, broker_tls_port, web_tls_port = _free_ports(5)
     settings = home / "secured.conf"
-    settings.write_text(secured_settings(secret, admin_token))
-    broker_port, web_port, bookie_port = _free_ports(3)
+    settings.write_text(
+        secured_settings(secret, admin_token, (cert, tls_key, broker_tls_port, web_tls_port))
+    )
     env = {
         "PULSAR_HOME": str(home),
         "PULSAR_BROKER_PORT": str(broker_port),
@@ -124,7 +157,15 @@ def secured_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured
             ["produce", "consume"],
             token=admin_token,
         )
-        yield SecuredBroker(broker, admin_token, make_token(secret, APP_ROLE), secret)
+        yield SecuredBroker(
+            broker,
+            admin_token,
+            make_token(secret, APP_ROLE),
+            secret,
+            tls_service_url=f"pulsar+ssl://127.0.0.1:{broker_tls_port}",
+            tls_admin_url=f"https://127.0.0.1:{web_tls_port}",
+            ca_file=cert,
+        )
     finally:
         broker.stop()
 

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from pulsar_state import AccessDeniedError, BrokerError, SharedStateManager
+from pulsar_state import AccessDeniedError, BrokerError, ConfigurationError, SharedStateManager
 from pulsar_state._admin import AdminClient, TopicName
 from pulsar_state.testing import admin_request
 from recipes import Ownership, PulsarMap
@@ -116,6 +116,39 @@ async def test_a_token_function_is_asked_again_for_each_admin_request(
             await manager._admin.get_ok(stats)  # test-only peek: the manager's REST client
         # The binary client may call it too; each admin request calls it once at least.
         assert calls >= before + 3
+
+
+async def test_tls_on_both_paths_with_the_given_trust_store(
+    secured_broker: SecuredBroker, secured_topic: str
+) -> None:
+    # pulsar+ssl:// and https:// with a certificate only the given CA file vouches for, and
+    # hostname validation on: both the binary client and the admin REST client trust it.
+    broker = secured_broker
+    tls_manager = SharedStateManager(
+        broker.tls_service_url,
+        secured_topic,
+        initial_state=dict,
+        apply=_apply,
+        admin_url=broker.tls_admin_url,
+        authentication=broker.app_token,
+        tls_trust_certs_file_path=str(broker.ca_file),
+        tls_validate_hostname=True,
+        open_timeout_s=WAIT_S,
+        write_timeout_s=WAIT_S,
+        read_timeout_s=WAIT_S,
+    )
+    async with tls_manager, _manager(broker, secured_topic, broker.app_token) as plain:
+        await tls_manager.write(lambda s: [{"key": "tls", "value": True}])
+        assert await plain.read(lambda s: dict(s), latest=True) == {"tls": True}
+        await plain.write(lambda s: [{"key": "plain", "value": True}])
+        assert await tls_manager.read(lambda s: dict(s), latest=True) == {
+            "tls": True,
+            "plain": True,
+        }
+    # Without the trust store the admin URL's certificate is refused, clearly and at once.
+    untrusting = _manager(broker, secured_topic, broker.app_token, admin_url=broker.tls_admin_url)
+    with pytest.raises(ConfigurationError, match="tls_trust_certs_file_path"):
+        await untrusting.open()
 
 
 async def test_no_token_is_a_clear_error_at_once(
