@@ -2,9 +2,10 @@
 
 Token authentication and authorization on (settings as measured in
 shared/reference/secured-broker.md), superuser ``admin``; the role ``app`` gets only produce
-and consume on ``public/default``. The broker runs from ``scripts/pulsar-standalone`` with the
-secured settings appended (``PULSAR_EXTRA_SETTINGS``) on free ports and its own run directory,
-beside the session's plain broker. It cannot be had: the tests fail, never skip.
+and consume on ``public/default``. It also listens with TLS (``pulsar+ssl://``, ``https://``)
+with a self-signed certificate for 127.0.0.1 made here. The broker runs from
+``scripts/pulsar-standalone`` with the secured settings appended (``PULSAR_EXTRA_SETTINGS``)
+on free ports and its own run directory, beside the session's plain broker. It cannot be had: the tests fail, never skip.
 """
 
 from __future__ import annotations
