@@ -5,7 +5,8 @@ shared/reference/secured-broker.md), superuser ``admin``; the role ``app`` gets 
 and consume on ``public/default``. It also listens with TLS (``pulsar+ssl://``, ``https://``)
 with a self-signed certificate for 127.0.0.1 made here. The broker runs from
 ``scripts/pulsar-standalone`` with the secured settings appended (``PULSAR_EXTRA_SETTINGS``)
-on free ports and its own run directory, beside the session's plain broker. It cannot be had: the tests fail, never skip.
+on free ports and its own run directory, beside the session's plain broker. If it cannot be
+had, the tests fail, never skip.
 """
 
 from __future__ import annotations
