@@ -1,8 +1,9 @@
-"""The few Pulsar admin REST calls the manager needs: the tail position and topic policies.
+"""The few Pulsar admin REST calls the manager needs: topic policies, side-topic tails, backlog.
 
-Python Readers have no ``get_last_message_id`` and ``has_message_available`` has had
-correctness bugs, so the tail of the log is captured explicitly through the admin API's
-``lastMessageId``. The same API tells whether a topic is partitioned or would lose history.
+The state topic's tail is captured over the binary protocol (``_tail``); the admin API's
+``lastMessageId`` and ledger list remain for the snapshot side topics, for the rare tail the
+binary answer leaves open (an empty current ledger), and for the CLI. The same API tells
+whether a topic is partitioned or would lose history.
 The standard library's HTTP client runs in a worker thread so the event loop never blocks.
 """
 
@@ -92,8 +93,9 @@ def resolve_admin_url(pulsar: Any, admin_url: str | None) -> str:
         return default_admin_url(pulsar)
     # A client does not tell its service URL: guessing would talk to another broker.
     raise ConfigurationError(
-        "a borrowed pulsar.asyncio.Client needs admin_url= (the broker's admin REST "
-        "URL, e.g. http://host:8080)"
+        "a borrowed pulsar.asyncio.Client needs admin_url= (the broker's admin REST URL, "
+        "e.g. http://host:8080) for the topic checks and snapshots; without them "
+        "(check_topic=False, no snapshot codec) it needs none"
     )
 
 

@@ -14,7 +14,8 @@ How it works, in brief (the README has the long form):
   it ignores it, deterministically, everywhere. A fenced, stale or duplicated record can never
   change the state; the writer whose record was ignored re-runs its generator and retries.
 * **Reads.** ``latest=False`` reads the local state. ``latest=True`` captures the tail position
-  at call time (admin ``lastMessageId``) and waits until the pump has passed it.
+  at call time (the broker's last message id, over the binary protocol) and waits until the
+  pump has passed it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ._records import RecordBuilder
 from ._replica import Replica
 from ._retry import retry_transient
 from ._snapshots import SnapshotPolicy, SnapshotStore
+from ._tail import Tail
 from ._types import AppliedRecord, ManagerStats, OnCorrupt, ReplayProgress, WriteResult
 from ._writer import Writer
 
@@ -96,8 +98,10 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         begin_record: ``begin_record(state, position)`` runs before the ops of each accepted
             record, with the position that record gets (1 for the first): for states that
             stamp versions. Runs on the writer's trial state too, with the same position.
-        admin_url: the broker's admin REST URL (default derived from the service URL; required
-            with a borrowed client).
+        admin_url: the broker's admin REST URL, for the topic checks at open, snapshots and
+            replay progress totals (default derived from the service URL). Not needed with
+            ``check_topic=False`` and no ``snapshot_codec``: reads and writes use only the
+            binary protocol; otherwise required with a borrowed client.
         on_corrupt: ``"halt"`` (default) stops applying at a foreign or damaged message and
             raises :class:`ReplicaHaltedError` from then on; ``"skip"`` logs, counts and skips.
         check_topic: refuse partitioned topics and topics whose policies lose history.
@@ -159,7 +163,10 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             raise ConfigurationError(f"on_corrupt must be 'halt' or 'skip', not {on_corrupt!r}")
         self.topic = TopicName.parse(topic)
         self._pulsar_arg = pulsar
-        self._admin = AdminClient(resolve_admin_url(pulsar, admin_url))
+        self._admin: AdminClient | None = None
+        if admin_url is not None or check_topic or snapshot_codec is not None:
+            self._admin = AdminClient(resolve_admin_url(pulsar, admin_url))
+        self._tail = Tail(self.topic, self._admin)
         self._check_topic = check_topic
         self._settings = Settings(
             idle_release_s=idle_release_s,
@@ -263,13 +270,21 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         await retry_transient(
             lambda: replica.attach(conn), deadline=deadline, what=f"opening a reader on {topic}"
         )
+        await retry_transient(
+            lambda: self._tail.attach(conn, name=self.writer_id),
+            deadline=deadline,
+            what=f"opening the tail probe on {topic}",
+        )
         if self._check_topic:
+            assert self._admin is not None  # required with check_topic (see __init__)
+            admin = self._admin
             await retry_transient(
-                lambda: self._admin.check_topic(self.topic),
+                lambda: admin.check_topic(self.topic),
                 deadline=deadline,
                 what=f"checking the policies of {topic}",
             )
         if (codec := self._snapshot_codec) is not None:
+            assert self._admin is not None  # required with snapshots (see __init__)
             store = SnapshotStore(
                 conn,
                 self._admin,
@@ -294,6 +309,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         await retry_transient(
             lambda: replay_to_tail(
                 replica,
+                self._tail,
                 self._admin,
                 self.topic,
                 self.stats,
@@ -307,7 +323,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         self._writer = Writer(
             self._context,
             conn,
-            self._admin,
+            self._tail,
             self._pending,
             replica,
             RecordBuilder(self._machine, self.writer_id, self._settings),
@@ -351,7 +367,9 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         self._pending.fail_in_flight()
         self._pending.fail_queued(closed)  # anything requeued while closing
         self._replica.fail_waiters(closed)
-        await _bounded(self._admin.close(), timeout)
+        await _bounded(self._tail.close(), timeout)
+        if self._admin is not None:
+            await _bounded(self._admin.close(), timeout)
         if self._conn is not None and self._owns_conn:
             await _bounded(self._conn.close(), timeout)
         logger.debug("closed manager on %s", self.topic)
@@ -413,7 +431,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         """Catch up with the tail of the log as of now; returns the position reached."""
         self._check_usable()
         timeout = self.read_timeout_s if timeout is None else timeout
-        return await self._replica.catch_up(lambda: self._admin.last_position(self.topic), timeout)
+        return await self._replica.catch_up(self._tail.position, timeout)
 
     async def wait_for(self, position: int, *, timeout: float | None = None) -> None:
         """Wait until this replica has accepted ``position`` records (read-your-writes)."""
