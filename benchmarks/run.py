@@ -349,6 +349,126 @@ async def snapshot_open(broker: Broker, quick: bool) -> Metric:
     )
 
 
+async def latest_read(broker: Broker, quick: bool) -> Metric:
+    """A linearizable map read (the tail over the binary protocol) vs a raw program asking the
+    broker for the last message id on a consumer it keeps (the PIP's Java sample does this)."""
+    rounds = 500 if quick else 3000
+    name = topic("latest")
+
+    async def timed(call: Callable[[], Awaitable[object]]) -> list[float]:
+        samples = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            await call()
+            samples.append((time.perf_counter() - started) * 1e3)
+        return samples
+
+    raw = RawClient(broker)
+    try:
+        async with PulsarMap(broker.service_url, name, admin_url=broker.admin_url) as kv:
+            await kv.put("k", 1)
+            consumer = await raw.client.subscribe(
+                name, "bench-raw", receiver_queue_size=0, consumer_type=pulsar.ConsumerType.Failover
+            )
+            admin_client, state_topic = kv.manager._admin, kv.manager.topic
+            assert admin_client is not None
+            lib, base, admin = [], [], []
+            for _ in range(3):  # interleaved, so that both see the same machine load
+                lib += await timed(lambda: kv.get("k", latest=True))
+                base += await timed(consumer.get_last_message_id)
+                # The previous way, for the record: the admin REST lastMessageId.
+                admin += await timed(lambda: admin_client.last_position(state_topic))
+            await consumer.unsubscribe()
+    finally:
+        await raw.close()
+    p50 = percentile(lib, 0.5), percentile(base, 0.5)
+    return Metric(
+        "latest read p50 (map get, latest=True)",
+        "ms",
+        p50[0],
+        p50[1],
+        "<= 0.5 ms",
+        p50[0] <= 0.5,
+        note="baseline: raw get_last_message_id on a kept consumer",
+        details={
+            "library_p99_ms": percentile(lib, 0.99),
+            "raw_p99_ms": percentile(base, 0.99),
+            "admin_rest_tail_p50_ms": percentile(admin, 0.5),
+            "samples": len(lib),
+        },
+    )
+
+
+async def map_snapshot_open(broker: Broker, quick: bool) -> list[Metric]:
+    """A PulsarMap (snapshots=True, no codec argument) opened from its snapshot vs a full
+    replay, and vs decoding the snapshot alone (the issue's bound: <= 2x the decode)."""
+    # Scaled down from the issue's 1M keys / 10M updates to fit a 2-core machine's run.
+    keys, updates = (20_000, 200_000) if quick else (100_000, 1_000_000)
+    per_write, in_flight = 1000, 8
+    name = topic("mapsnap")
+    value = "v" * 50
+    options: dict[str, Any] = {"admin_url": broker.admin_url, "open_timeout_s": 1200}
+    async with PulsarMap(broker.service_url, name, snapshots=True, **options) as writer:
+        for start in range(0, updates, per_write * in_flight):
+            await asyncio.gather(
+                *(
+                    writer.put_all(
+                        {f"key-{i % keys:07d}": f"{value}{i}" for i in range(s, s + per_write)}
+                    )
+                    for s in range(start, min(updates, start + per_write * in_flight), per_write)
+                )
+            )
+        await writer.snapshot(timeout=600)
+        records = writer.position
+    started = time.perf_counter()
+    async with PulsarMap(
+        broker.service_url, name, snapshots=True, load_snapshot=False, **options
+    ) as full:
+        full_s = time.perf_counter() - started
+        assert len(full) == keys
+    started = time.perf_counter()
+    async with PulsarMap(broker.service_url, name, snapshots=True, **options) as snap:
+        snap_s = time.perf_counter() - started
+        assert snap.stats.snapshot_loaded_position == records
+        assert len(snap) == keys
+        codec = snap.manager._snapshot_codec
+        assert codec is not None
+        data = codec.encode(snap.manager.read_local(lambda state: state))
+    started = time.perf_counter()
+    codec.decode(data)
+    decode_s = time.perf_counter() - started
+    details = {
+        "keys": keys,
+        "updates": updates,
+        "records": records,
+        "snapshot_bytes": len(data),
+        "decode_s": decode_s,
+        "scaled_down_from": "1M keys / 10M updates (issue 13)",
+    }
+    return [
+        Metric(
+            f"map open from snapshot, {keys} keys after {updates} updates",
+            "s",
+            snap_s,
+            full_s,
+            "<= 0.1x",
+            snap_s / full_s <= 0.1,
+            note="baseline: the same map's full replay",
+            details=details,
+        ),
+        Metric(
+            f"map open from snapshot vs decoding it, {keys} keys",
+            "s",
+            snap_s,
+            decode_s,
+            "<= 2x",
+            snap_s <= 2 * decode_s,
+            note="baseline: MapSnapshotCodec.decode of the snapshot's bytes alone",
+            details=details,
+        ),
+    ]
+
+
 async def acquisition(broker: Broker, quick: bool) -> list[Metric]:
     """Getting the writer: first write, handover after a clean close, takeover by fencing."""
     rounds = 10 if quick else 40
@@ -501,6 +621,8 @@ async def run(broker: Broker, quick: bool, only: set[str] | None) -> list[Metric
         ("visibility", visibility),
         ("bootstrap", bootstrap),
         ("snapshot", snapshot_open),
+        ("mapsnapshot", map_snapshot_open),
+        ("latest", latest_read),
         ("acquisition", acquisition),
         ("writers", multi_writers),
     ]
@@ -574,12 +696,18 @@ def main() -> int:
     finally:
         broker.stop()
     print(table(metrics))
+    out = Path(args.out)
+    if args.only and out.exists():
+        # A partial run replaces its own rows and keeps the others of the last full run.
+        names = {m.name for m in metrics}
+        kept = [m for m in json.loads(out.read_text())["metrics"] if m["name"] not in names]
+        metrics = [Metric(**m) for m in kept] + metrics
     result = {
         "mode": "quick" if args.quick else "full",
         "environment": environment(),
         "metrics": [asdict(m) for m in metrics],
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0
 
