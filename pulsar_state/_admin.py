@@ -27,7 +27,7 @@ from ._errors import (
     PartitionedTopicError,
     UnsafeTopicPolicyError,
 )
-from ._pulsar import LogPosition, http_cause, is_transient_cause
+from ._pulsar import TAIL_SUBSCRIPTION, LogPosition, http_cause, is_transient_cause
 
 __all__ = ["AdminClient", "TopicName", "default_admin_url", "resolve_admin_url"]
 
@@ -206,6 +206,47 @@ class AdminClient:
         last = max(earlier, key=lambda ledger: int(ledger["ledgerId"]))
         return LogPosition(int(last["ledgerId"]), int(last["entries"]) - 1)
 
+    async def _check_trim_point(self, topic: TopicName) -> None:
+        """Under a finite retention, only the library's durable subscription keeps the history
+        that replicas still need: it must exist, and nothing may move or delete it."""
+        subscriptions = await self.get_ok(topic.rest_path + "/subscriptions") or []
+        if TAIL_SUBSCRIPTION not in subscriptions:
+            raise UnsafeTopicPolicyError(
+                f"{topic} has no subscription {TAIL_SUBSCRIPTION!r}, which holds its history "
+                "when trim_history is on",
+                topic=str(topic),
+            )
+        ttl = await self.get_ok(topic.rest_path + "/messageTTL?applied=true")
+        if ttl not in (None, 0):
+            raise UnsafeTopicPolicyError(
+                f"{topic} has a message TTL of {ttl}s: it would acknowledge (and so delete) "
+                "history that replicas still need. Remove the TTL on the topic and namespace",
+                topic=str(topic),
+            )
+        quotas = await self.get_ok(topic.rest_path + "/backlogQuotaMap?applied=true") or {}
+        for kind, quota in quotas.items():
+            evicts = str(quota.get("policy", "")).lower() == "consumer_backlog_eviction"
+            limited = int(quota.get("limitSize", -1)) >= 0 or int(quota.get("limitTime", -1)) >= 0
+            if evicts and limited:
+                raise UnsafeTopicPolicyError(
+                    f"{topic} has a {kind} backlog quota with consumer_backlog_eviction: it "
+                    "would move the trim point past history that replicas still need",
+                    topic=str(topic),
+                )
+        namespace = f"/admin/v2/namespaces/{topic.tenant}/{topic.namespace}"
+        expiry = await self.get_ok(namespace + "/subscriptionExpirationTime")
+        if expiry is None:  # the broker's default, if this user may read it
+            status, runtime = await self.get("/admin/v2/brokers/configuration/runtime")
+            if status == 200 and isinstance(runtime, dict):
+                expiry = int(runtime.get("subscriptionExpirationTimeMinutes", 0))
+        if expiry not in (None, 0):
+            raise UnsafeTopicPolicyError(
+                f"{topic}: subscriptions expire after {expiry} min without consumers; the trim "
+                "point's subscription would go, and with it the history it holds. Set "
+                "subscriptionExpirationTimeMinutes to 0",
+                topic=str(topic),
+            )
+
     async def backlog(
         self, topic: TopicName, *, after: LogPosition | None = None
     ) -> tuple[int, int]:
@@ -230,8 +271,14 @@ class AdminClient:
                 size += ledger_size * left // entries
         return messages, size
 
-    async def check_topic(self, topic: TopicName) -> None:
-        """Refuse a partitioned topic and one whose policies would lose history."""
+    async def check_topic(self, topic: TopicName, *, trimmed: bool = False) -> None:
+        """Refuse a partitioned topic and one whose policies would lose history.
+
+        ``trimmed``: the library trims the topic itself (``trim_history``) by moving its
+        durable subscription :data:`~._pulsar.TAIL_SUBSCRIPTION`, which must exist. A finite
+        retention is then accepted, as it deletes only what that subscription has passed;
+        what would move or drop the subscription is refused instead.
+        """
         status, body = await self.get(topic.rest_path + "/partitions")
         if status == 200 and int((body or {}).get("partitions", 0)) > 0:
             raise PartitionedTopicError(
@@ -242,7 +289,9 @@ class AdminClient:
         retention = await self.get_ok(topic.rest_path + "/retention?applied=true") or {}
         minutes = int(retention.get("retentionTimeInMinutes", 0))
         size_mb = int(retention.get("retentionSizeInMB", 0))
-        if minutes != -1 or size_mb != -1:
+        if trimmed:
+            await self._check_trim_point(topic)
+        elif minutes != -1 or size_mb != -1:
             raise UnsafeTopicPolicyError(
                 f"{topic} has retention time={minutes} min, size={size_mb} MB: readers hold no "
                 "data, so history would be trimmed. Set infinite retention, e.g. "

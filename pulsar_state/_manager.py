@@ -123,6 +123,12 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             many records (or bytes of records) since the last one. None: only manual.
         snapshot_chunk_bytes: snapshot chunk size (one message each; no overall size cap).
         load_snapshot: open from the newest good snapshot (default) or replay everything.
+        trim_history: after each snapshot this manager writes, let the broker delete the
+            history behind the ``keep_snapshots`` newest snapshots (needs ``snapshot_codec``).
+            The library's durable subscription on the topic is the trim point; the topic may
+            then have a finite retention (see the README). A replica still reading behind
+            the trim point falls forward to a snapshot.
+        keep_snapshots: how many of the newest snapshots keep their history (at least 1).
         name: a label for logs and the writer id.
         client_options: extra ``pulsar.Client`` options (authentication, TLS, ...).
     """
@@ -156,11 +162,21 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         snapshot_every_bytes: int | None = None,
         snapshot_chunk_bytes: int = 1024 * 1024,
         load_snapshot: bool = True,
+        trim_history: bool = False,
+        keep_snapshots: int = 2,
         name: str | None = None,
         client_options: dict[str, Any] | None = None,
     ) -> None:
         if on_corrupt not in ("halt", "skip"):
             raise ConfigurationError(f"on_corrupt must be 'halt' or 'skip', not {on_corrupt!r}")
+        if trim_history and snapshot_codec is None:
+            raise ConfigurationError(
+                "trim_history needs snapshot_codec= (it trims behind snapshots)"
+            )
+        if keep_snapshots < 1:
+            raise ConfigurationError(f"keep_snapshots must be at least 1, not {keep_snapshots}")
+        self._trim_history = trim_history
+        self._keep_snapshots = keep_snapshots
         self.topic = TopicName.parse(topic)
         self._pulsar_arg = pulsar
         self._admin: AdminClient | None = None
@@ -206,6 +222,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         )
         self._replica.on_halt.append(self._pending.fail_queued)
         self._snapshots: SnapshotPolicy[S] | None = None
+        self._store: SnapshotStore | None = None
         self._conn: PulsarConnection | None = None
         self._owns_conn = False
         self._writer: Writer | None = None
@@ -279,7 +296,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             assert self._admin is not None  # required with check_topic (see __init__)
             admin = self._admin
             await retry_transient(
-                lambda: admin.check_topic(self.topic),
+                lambda: admin.check_topic(self.topic, trimmed=self._trim_history),
                 deadline=deadline,
                 what=f"checking the policies of {topic}",
             )
@@ -292,6 +309,13 @@ class SharedStateManager(Tunables, Generic[S, Op]):
                 chunk_bytes=self._snapshot_chunk_bytes,
                 timeout_s=self.open_timeout_s,
             )
+            self._store = store
+            if self._trim_history:
+                await retry_transient(
+                    lambda: store.hold(name=self.writer_id),
+                    deadline=deadline,
+                    what=f"holding the snapshot topics of {topic}",
+                )
             start = SnapshotPolicy[S].start
             self._snapshots = await retry_transient(
                 lambda: start(
@@ -301,10 +325,14 @@ class SharedStateManager(Tunables, Generic[S, Op]):
                     replica,
                     self._machine.trial_copy,
                     load=self._load_snapshot,
+                    trim_log=self._tail.trim_through if self._trim_history else None,
+                    keep_snapshots=self._keep_snapshots,
                 ),
                 deadline=deadline,
                 what="loading a snapshot",
             )
+        if self._trim_history and self._snapshots is not None:
+            replica.fall_forward = self._snapshots.fall_forward
         self._pump_task = asyncio.create_task(replica.pump(), name=f"pulsar-state-pump-{topic}")
         await retry_transient(
             lambda: replay_to_tail(
@@ -368,6 +396,8 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         self._pending.fail_queued(closed)  # anything requeued while closing
         self._replica.fail_waiters(closed)
         await _bounded(self._tail.close(), timeout)
+        if self._store is not None:
+            await _bounded(self._store.close(), timeout)
         if self._admin is not None:
             await _bounded(self._admin.close(), timeout)
         if self._conn is not None and self._owns_conn:

@@ -629,6 +629,15 @@ class TailProbe:
         position = LogPosition(msg_id.ledger_id(), msg_id.entry_id())
         return None if position.ledger < 0 else position
 
+    async def hold_after(self, position: LogPosition) -> None:
+        """Move the subscription's mark past ``position``: the broker may then delete the
+        ledgers wholly behind it (retention permitting). Never moves it back."""
+        _check_process(self._pid, f"the tail probe on {self._topic}")
+        with translate_errors(f"move the trim point of {self._topic}"):
+            await self._consumer.acknowledge_cumulative(
+                pulsar.MessageId(-1, position.ledger, position.entry, -1)
+            )
+
     async def close(self) -> None:
         if os.getpid() != self._pid:
             return

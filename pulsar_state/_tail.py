@@ -82,6 +82,12 @@ class Tail:
             )
         return await self._admin.last_position(self._topic)
 
+    async def trim_through(self, position: LogPosition) -> None:
+        """Let the broker delete the topic's ledgers wholly at or before ``position``."""
+        if self._probe is None:
+            raise ClosedError(f"the tail probe of {self._topic} is not open")
+        await self._probe.hold_after(position)
+
     async def close(self) -> None:
         probe, self._probe = self._probe, None
         if probe is not None:

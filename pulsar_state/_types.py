@@ -83,6 +83,8 @@ class ManagerStats:
     snapshots_written: int = 0
     snapshot_loaded_position: int | None = None
     determinism_failures: int = 0
+    history_trims: int = 0  # times this manager moved the trim point (trim_history)
+    fell_forward: int = 0  # times this replica, behind a trimmed log, loaded a snapshot
 
 
 # The options that define a manager's state machine: a recipe that brings its own machine
