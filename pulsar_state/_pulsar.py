@@ -614,9 +614,16 @@ class TailProbe:
         empty. ``entry`` is -1 when the broker's current ledger holds no entry yet (the last
         message, if any, is then in an earlier ledger, which this call does not tell)."""
         _check_process(self._pid, f"the tail probe on {self._topic}")
+        # Asked now, the C++ client would retry quietly until its operation timeout: fail
+        # fast instead, so the caller's retry (to its own deadline) can name the cause.
+        self._check_connected()
+        with translate_errors(f"get the last message id of {self._topic}"):
+            msg_id = await self._consumer.get_last_message_id()
+        position = LogPosition(msg_id.ledger_id(), msg_id.entry_id())
+        return None if position.ledger < 0 else position
+
+    def _check_connected(self) -> None:
         if not self._consumer._consumer.is_connected():
-            # Asked now, the C++ client would retry quietly until its operation timeout: fail
-            # fast instead, so the caller's retry (to its own deadline) can name the cause.
             down = BrokerUnavailableError(
                 f"broker unreachable: the tail probe on {self._topic} is not connected (the "
                 "client reconnects by itself)",
@@ -624,15 +631,15 @@ class TailProbe:
             )
             down.retriable = is_transient_cause("NotConnected")
             raise down
-        with translate_errors(f"get the last message id of {self._topic}"):
-            msg_id = await self._consumer.get_last_message_id()
-        position = LogPosition(msg_id.ledger_id(), msg_id.entry_id())
-        return None if position.ledger < 0 else position
 
     async def hold_after(self, position: LogPosition) -> None:
         """Move the subscription's mark past ``position``: the broker may then delete the
-        ledgers wholly behind it (retention permitting). Never moves it back."""
+        ledgers wholly behind it (retention permitting). Never moves it back.
+
+        Acknowledgements are not confirmed by the broker: one sent as the connection drops is
+        lost, and the next call (after the next snapshot) moves the mark instead."""
         _check_process(self._pid, f"the tail probe on {self._topic}")
+        self._check_connected()
         with translate_errors(f"move the trim point of {self._topic}"):
             await self._consumer.acknowledge_cumulative(
                 pulsar.MessageId(-1, position.ledger, position.entry, -1)

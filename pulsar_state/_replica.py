@@ -267,7 +267,14 @@ class Replica(Generic[S, Op]):
         record, at = self._behind
         self._behind = None
         behind_at = self.version
-        if not await self.fall_forward(record.base_position):
+        fall_forward = self.fall_forward
+        deadline = asyncio.get_running_loop().time() + self._context.settings.open_timeout_s
+        loaded = await retry_transient(
+            lambda: fall_forward(record.base_position),
+            deadline=deadline,
+            what=f"loading a snapshot of {self._topic} to fall forward to",
+        )
+        if not loaded:
             self.halt_with(self._forked(record, at))
             return
         self._stats.fell_forward += 1

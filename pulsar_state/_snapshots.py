@@ -45,6 +45,7 @@ from ._errors import (
 )
 from ._pulsar import LogPosition, PulsarConnection, StateWriter, TailProbe
 from ._replica import Replica
+from ._retry import is_transient
 
 __all__ = ["SnapshotPolicy", "SnapshotStore", "digest_of"]
 
@@ -405,9 +406,13 @@ class SnapshotPolicy(Generic[S]):
     async def fall_forward(self, needed: int) -> bool:
         """Load the newest good snapshot at a position of at least ``needed`` (the replica is
         behind a trimmed log); False if there is none."""
-        return await self.load_newest(load=True, at_least=needed)
+        # A transient failure is raised (for the caller to retry), not taken for a bad
+        # snapshot: falling back to an older one would find its history trimmed away.
+        return await self.load_newest(load=True, at_least=needed, transient_raises=True)
 
-    async def load_newest(self, *, load: bool, at_least: int = 0) -> bool:
+    async def load_newest(
+        self, *, load: bool, at_least: int = 0, transient_raises: bool = False
+    ) -> bool:
         """Load the newest snapshot that checks out; older ones are fallbacks. True if one was."""
         manifests = await self._store.manifests()
         if manifests and not load:
@@ -432,6 +437,10 @@ class SnapshotPolicy(Generic[S]):
                 data = await self._store.load(manifest)
                 state = await asyncio.to_thread(self._codec.decode, data)
             except (PulsarStateError, TimeoutError) as exc:
+                if transient_raises and is_transient(exc):
+                    raise
+                if transient_raises and isinstance(exc, TimeoutError):
+                    raise OperationTimeoutError(f"loading snapshot {manifest.snapshot_id}") from exc
                 logger.warning(
                     "snapshot %s of %s (position %d) is unusable, falling back: %s",
                     manifest.snapshot_id,
