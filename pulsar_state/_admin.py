@@ -1,8 +1,9 @@
-"""The few Pulsar admin REST calls the manager needs: the tail position and topic policies.
+"""The few Pulsar admin REST calls the manager needs: topic policies, side-topic tails, backlog.
 
-Python Readers have no ``get_last_message_id`` and ``has_message_available`` has had
-correctness bugs, so the tail of the log is captured explicitly through the admin API's
-``lastMessageId``. The same API tells whether a topic is partitioned or would lose history.
+The state topic's tail is captured over the binary protocol (``_tail``); the admin API's
+``lastMessageId`` and ledger list remain for the snapshot side topics, for the rare tail the
+binary answer leaves open (an empty current ledger), and for the CLI. The same API tells
+whether a topic is partitioned or would lose history.
 The standard library's HTTP client runs in a worker thread so the event loop never blocks.
 """
 
@@ -26,7 +27,7 @@ from ._errors import (
     PartitionedTopicError,
     UnsafeTopicPolicyError,
 )
-from ._pulsar import LogPosition, http_cause, is_transient_cause
+from ._pulsar import TAIL_SUBSCRIPTION, LogPosition, http_cause, is_transient_cause
 
 __all__ = ["AdminClient", "TopicName", "default_admin_url", "resolve_admin_url"]
 
@@ -92,8 +93,9 @@ def resolve_admin_url(pulsar: Any, admin_url: str | None) -> str:
         return default_admin_url(pulsar)
     # A client does not tell its service URL: guessing would talk to another broker.
     raise ConfigurationError(
-        "a borrowed pulsar.asyncio.Client needs admin_url= (the broker's admin REST "
-        "URL, e.g. http://host:8080)"
+        "a borrowed pulsar.asyncio.Client needs admin_url= (the broker's admin REST URL, "
+        "e.g. http://host:8080) for the topic checks and snapshots; without them "
+        "(check_topic=False, no snapshot codec) it needs none"
     )
 
 
@@ -204,6 +206,47 @@ class AdminClient:
         last = max(earlier, key=lambda ledger: int(ledger["ledgerId"]))
         return LogPosition(int(last["ledgerId"]), int(last["entries"]) - 1)
 
+    async def _check_trim_point(self, topic: TopicName) -> None:
+        """Under a finite retention, only the library's durable subscription keeps the history
+        that replicas still need: it must exist, and nothing may move or delete it."""
+        subscriptions = await self.get_ok(topic.rest_path + "/subscriptions") or []
+        if TAIL_SUBSCRIPTION not in subscriptions:
+            raise UnsafeTopicPolicyError(
+                f"{topic} has no subscription {TAIL_SUBSCRIPTION!r}, which holds its history "
+                "when trim_history is on",
+                topic=str(topic),
+            )
+        ttl = await self.get_ok(topic.rest_path + "/messageTTL?applied=true")
+        if ttl not in (None, 0):
+            raise UnsafeTopicPolicyError(
+                f"{topic} has a message TTL of {ttl}s: it would acknowledge (and so delete) "
+                "history that replicas still need. Remove the TTL on the topic and namespace",
+                topic=str(topic),
+            )
+        quotas = await self.get_ok(topic.rest_path + "/backlogQuotaMap?applied=true") or {}
+        for kind, quota in quotas.items():
+            evicts = str(quota.get("policy", "")).lower() == "consumer_backlog_eviction"
+            limited = int(quota.get("limitSize", -1)) >= 0 or int(quota.get("limitTime", -1)) >= 0
+            if evicts and limited:
+                raise UnsafeTopicPolicyError(
+                    f"{topic} has a {kind} backlog quota with consumer_backlog_eviction: it "
+                    "would move the trim point past history that replicas still need",
+                    topic=str(topic),
+                )
+        namespace = f"/admin/v2/namespaces/{topic.tenant}/{topic.namespace}"
+        expiry = await self.get_ok(namespace + "/subscriptionExpirationTime")
+        if expiry is None:  # the broker's default, if this user may read it
+            status, runtime = await self.get("/admin/v2/brokers/configuration/runtime")
+            if status == 200 and isinstance(runtime, dict):
+                expiry = int(runtime.get("subscriptionExpirationTimeMinutes", 0))
+        if expiry not in (None, 0):
+            raise UnsafeTopicPolicyError(
+                f"{topic}: subscriptions expire after {expiry} min without consumers; the trim "
+                "point's subscription would go, and with it the history it holds. Set "
+                "subscriptionExpirationTimeMinutes to 0",
+                topic=str(topic),
+            )
+
     async def backlog(
         self, topic: TopicName, *, after: LogPosition | None = None
     ) -> tuple[int, int]:
@@ -228,8 +271,14 @@ class AdminClient:
                 size += ledger_size * left // entries
         return messages, size
 
-    async def check_topic(self, topic: TopicName) -> None:
-        """Refuse a partitioned topic and one whose policies would lose history."""
+    async def check_topic(self, topic: TopicName, *, trimmed: bool = False) -> None:
+        """Refuse a partitioned topic and one whose policies would lose history.
+
+        ``trimmed``: the library trims the topic itself (``trim_history``) by moving its
+        durable subscription :data:`~._pulsar.TAIL_SUBSCRIPTION`, which must exist. A finite
+        retention is then accepted, as it deletes only what that subscription has passed;
+        what would move or drop the subscription is refused instead.
+        """
         status, body = await self.get(topic.rest_path + "/partitions")
         if status == 200 and int((body or {}).get("partitions", 0)) > 0:
             raise PartitionedTopicError(
@@ -240,7 +289,9 @@ class AdminClient:
         retention = await self.get_ok(topic.rest_path + "/retention?applied=true") or {}
         minutes = int(retention.get("retentionTimeInMinutes", 0))
         size_mb = int(retention.get("retentionSizeInMB", 0))
-        if minutes != -1 or size_mb != -1:
+        if trimmed:
+            await self._check_trim_point(topic)
+        elif minutes != -1 or size_mb != -1:
             raise UnsafeTopicPolicyError(
                 f"{topic} has retention time={minutes} min, size={size_mb} MB: readers hold no "
                 "data, so history would be trimmed. Set infinite retention, e.g. "
