@@ -61,6 +61,7 @@ __all__ = [
     "TailProbe",
     "http_cause",
     "is_transient_cause",
+    "read_log",
     "translate_errors",
 ]
 
@@ -850,3 +851,43 @@ def _close_orphan(creation: asyncio.Future[Any]) -> None:
     logger.warning("closing a writer whose creation completed after its timeout")
     task = asyncio.ensure_future(producer.close())
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+@dataclass(frozen=True, slots=True)
+class LogMessage:
+    """A message of a topic as the tools show it (``pulsar-state log``)."""
+
+    payload: bytes
+    position: LogPosition
+    publish_time_ms: int
+    message_id: str
+
+
+def read_log(
+    service_url: str, topic: str, *, limit: int | None = None, timeout_s: float = 30.0
+) -> Iterator[LogMessage]:
+    """The topic's messages from the first up to its tail as of now, read with a blocking
+    client of the same make as the library's (C++ logger, closed before returning): for
+    command-line tools, which have no event loop."""
+    client = pulsar.Client(
+        service_url,
+        operation_timeout_seconds=max(1, int(timeout_s)),
+        logger=_client_log_option(),
+    )
+    try:
+        with translate_errors(f"read {topic}"):
+            reader = client.create_reader(topic, pulsar.MessageId.earliest)
+            count = 0
+            while (limit is None or count < limit) and reader.has_message_available():
+                message = reader.read_next(timeout_millis=int(timeout_s * 1000))
+                message_id = message.message_id()
+                yield LogMessage(
+                    message.data(),
+                    LogPosition(message_id.ledger_id(), message_id.entry_id()),
+                    message.publish_timestamp(),
+                    str(message_id),
+                )
+                count += 1
+            reader.close()
+    finally:
+        client.close()
