@@ -18,6 +18,7 @@ import platform
 import subprocess
 import sys
 import time
+import urllib.error
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pulsar_state import JsonCodec, SharedStateManager  # noqa: E402
-from pulsar_state.testing import Broker, provide_broker  # noqa: E402
+from pulsar_state.testing import Broker, admin_request, provide_broker  # noqa: E402
 from recipes import PulsarMap  # noqa: E402
 
 
@@ -349,6 +350,239 @@ async def snapshot_open(broker: Broker, quick: bool) -> Metric:
     )
 
 
+async def latest_read(broker: Broker, quick: bool) -> Metric:
+    """A linearizable map read (the tail over the binary protocol) vs a raw program asking the
+    broker for the last message id on a consumer it keeps (the PIP's Java sample does this)."""
+    rounds = 500 if quick else 3000
+    name = topic("latest")
+
+    async def timed(call: Callable[[], Awaitable[object]]) -> list[float]:
+        samples = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            await call()
+            samples.append((time.perf_counter() - started) * 1e3)
+        return samples
+
+    raw = RawClient(broker)
+    try:
+        async with PulsarMap(broker.service_url, name, admin_url=broker.admin_url) as kv:
+            await kv.put("k", 1)
+            consumer = await raw.client.subscribe(
+                name, "bench-raw", receiver_queue_size=0, consumer_type=pulsar.ConsumerType.Failover
+            )
+            admin_client, state_topic = kv.manager._admin, kv.manager.topic
+            assert admin_client is not None
+            lib, base, admin = [], [], []
+            for _ in range(3):  # interleaved, so that both see the same machine load
+                lib += await timed(lambda: kv.get("k", latest=True))
+                base += await timed(consumer.get_last_message_id)
+                # The previous way, for the record: the admin REST lastMessageId.
+                admin += await timed(lambda: admin_client.last_position(state_topic))
+            await consumer.unsubscribe()
+    finally:
+        await raw.close()
+    p50 = percentile(lib, 0.5), percentile(base, 0.5)
+    return Metric(
+        "latest read p50 (map get, latest=True)",
+        "ms",
+        p50[0],
+        p50[1],
+        "<= 0.5 ms",
+        p50[0] <= 0.5,
+        note="baseline: raw get_last_message_id on a kept consumer",
+        details={
+            "library_p99_ms": percentile(lib, 0.99),
+            "raw_p99_ms": percentile(base, 0.99),
+            "admin_rest_tail_p50_ms": percentile(admin, 0.5),
+            "samples": len(lib),
+        },
+    )
+
+
+async def map_snapshot_open(broker: Broker, quick: bool) -> list[Metric]:
+    """A PulsarMap (snapshots=True, no codec argument) opened from its snapshot vs a full
+    replay, and vs decoding the snapshot alone (the issue's bound: <= 2x the decode)."""
+    # Scaled down from the issue's 1M keys / 10M updates to fit a 2-core machine's run.
+    keys, updates = (20_000, 200_000) if quick else (100_000, 1_000_000)
+    per_write, in_flight = 1000, 8
+    name = topic("mapsnap")
+    value = "v" * 50
+    options: dict[str, Any] = {"admin_url": broker.admin_url, "open_timeout_s": 1200}
+    async with PulsarMap(broker.service_url, name, snapshots=True, **options) as writer:
+        for start in range(0, updates, per_write * in_flight):
+            await asyncio.gather(
+                *(
+                    writer.put_all(
+                        {f"key-{i % keys:07d}": f"{value}{i}" for i in range(s, s + per_write)}
+                    )
+                    for s in range(start, min(updates, start + per_write * in_flight), per_write)
+                )
+            )
+        await writer.snapshot(timeout=600)
+        records = writer.position
+    started = time.perf_counter()
+    async with PulsarMap(
+        broker.service_url, name, snapshots=True, load_snapshot=False, **options
+    ) as full:
+        full_s = time.perf_counter() - started
+        assert len(full) == keys
+    started = time.perf_counter()
+    async with PulsarMap(broker.service_url, name, snapshots=True, **options) as snap:
+        snap_s = time.perf_counter() - started
+        assert snap.stats.snapshot_loaded_position == records
+        assert len(snap) == keys
+        codec = snap.manager._snapshot_codec
+        assert codec is not None
+        data = codec.encode(snap.manager.read_local(lambda state: state))
+    started = time.perf_counter()
+    codec.decode(data)
+    decode_s = time.perf_counter() - started
+    details = {
+        "keys": keys,
+        "updates": updates,
+        "records": records,
+        "snapshot_bytes": len(data),
+        "decode_s": decode_s,
+        "scaled_down_from": "1M keys / 10M updates (issue 13)",
+    }
+    return [
+        Metric(
+            f"map open from snapshot, {keys} keys after {updates} updates",
+            "s",
+            snap_s,
+            full_s,
+            "<= 0.1x",
+            snap_s / full_s <= 0.1,
+            note="baseline: the same map's full replay",
+            details=details,
+        ),
+        Metric(
+            f"map open from snapshot vs decoding it, {keys} keys",
+            "s",
+            snap_s,
+            decode_s,
+            "<= 2x",
+            snap_s <= 2 * decode_s,
+            note="baseline: MapSnapshotCodec.decode of the snapshot's bytes alone",
+            details=details,
+        ),
+    ]
+
+
+def _rest(name: str) -> str:
+    return "/admin/v2/persistent/public/default/" + name.rsplit("/", 1)[-1]
+
+
+def _close_ledgers(broker: Broker, names: list[str]) -> None:
+    """Close each topic's current ledger and ask the broker to delete what it may.
+
+    Stands in for the broker's own ledger rollover (managedLedgerMaxEntriesPerLedger, at most
+    every managedLedgerMinLedgerRolloverTimeMinutes, 10 by default) and retention check
+    (retentionCheckIntervalInSeconds), which a benchmark of minutes cannot wait for.
+    """
+    present = []
+    for name in names:
+        try:
+            admin_request(broker.admin_url, "PUT", _rest(name) + "/unload")
+            present.append(name)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:  # a snapshot topic before the first snapshot
+                raise
+    for name in present:
+        for _ in range(50):
+            try:
+                admin_request(broker.admin_url, "POST", _rest(name) + "/trim")
+                break
+            except OSError:  # being loaded again
+                time.sleep(0.1)
+
+
+async def trimmed_storage(broker: Broker, quick: bool) -> Metric:
+    """Storage (admin stats storageSize, the state topic and both snapshot topics) after many
+    updates to few keys, with trim_history vs without."""
+    # Scaled down from the issue's 1M updates to fit a 2-core machine's run.
+    keys, updates = 1000, (100_000 if quick else 1_000_000)
+    # One write at a time, so one record each (concurrent writes would be group-committed).
+    per_write, in_flight = 10 if quick else 20, 1
+    snapshot_every = 1000 if quick else 5000  # records; a ledger is closed as often
+    value = "v" * 50
+    sizes: dict[bool, int] = {}
+    details: dict[str, Any] = {"keys": keys, "updates": updates, "scaled_down_from": "1M"}
+    for trim in (False, True):
+        name = topic("trim" if trim else "keep")
+        names = [name, f"{name}-snapshots", f"{name}-snapshot-index"]
+        if trim:
+            for each in names:  # the configuration trim_history accepts: no retention
+                admin_request(broker.admin_url, "PUT", _rest(each))
+                admin_request(
+                    broker.admin_url,
+                    "POST",
+                    _rest(each) + "/retention",
+                    {"retentionTimeInMinutes": 0, "retentionSizeInMB": 0},
+                )
+            await asyncio.sleep(2)  # topic policies apply through a system topic
+        async with PulsarMap(
+            broker.service_url,
+            name,
+            admin_url=broker.admin_url,
+            snapshots=True,
+            snapshot_every_records=snapshot_every,
+            trim_history=trim,
+            write_timeout_s=120,
+        ) as kv:
+            written = closed_at = 0
+            while written < updates:
+                await asyncio.gather(
+                    *(
+                        kv.put_all(
+                            {
+                                f"key-{(written + w * per_write + i) % keys:04d}": f"{value}{i}"
+                                for i in range(per_write)
+                            }
+                        )
+                        for w in range(in_flight)
+                    )
+                )
+                written += per_write * in_flight
+                if kv.position - closed_at >= snapshot_every:
+                    closed_at = kv.position
+                    await asyncio.to_thread(_close_ledgers, broker, names)
+            await kv.snapshot(timeout=600)
+            snapshot_bytes = len(kv.manager._snapshot_codec.encode(kv.manager._state))  # type: ignore[union-attr]
+            records = kv.position
+        await asyncio.to_thread(_close_ledgers, broker, names)
+        await asyncio.sleep(2)
+        await asyncio.to_thread(_close_ledgers, broker, names)
+        total = 0
+        for each in names:
+            stats = admin_request(broker.admin_url, "GET", _rest(each) + "/stats")
+            total += int(stats.get("storageSize", 0))
+        sizes[trim] = total
+        internal = admin_request(broker.admin_url, "GET", _rest(name) + "/internalStats")
+        details["with_trim" if trim else "without_trim"] = {
+            "storage_bytes": total,
+            "records": records,
+            "state_topic_ledgers": len(internal["ledgers"]),
+        }
+        details["snapshot_bytes"] = snapshot_bytes
+    # One ledger: the records written between two ledger closes (snapshot_every records).
+    ledger_bytes = sizes[False] // max(1, details["without_trim"]["records"]) * snapshot_every
+    bound = 3 * (details["snapshot_bytes"] + ledger_bytes)
+    details["one_ledger_bytes"] = ledger_bytes
+    details["bound_bytes_3x_snapshot_plus_ledger"] = bound
+    return Metric(
+        f"storage after {updates} updates to {keys} keys, trim_history",
+        "bytes",
+        sizes[True],
+        sizes[False],
+        "<= 3x (snapshot + ledger)",
+        sizes[True] <= bound,
+        note="baseline: the same writes without trimming; ledgers closed by unloading",
+        details=details,
+    )
+
+
 async def acquisition(broker: Broker, quick: bool) -> list[Metric]:
     """Getting the writer: first write, handover after a clean close, takeover by fencing."""
     rounds = 10 if quick else 40
@@ -501,6 +735,9 @@ async def run(broker: Broker, quick: bool, only: set[str] | None) -> list[Metric
         ("visibility", visibility),
         ("bootstrap", bootstrap),
         ("snapshot", snapshot_open),
+        ("mapsnapshot", map_snapshot_open),
+        ("latest", latest_read),
+        ("trim", trimmed_storage),
         ("acquisition", acquisition),
         ("writers", multi_writers),
     ]
@@ -574,12 +811,18 @@ def main() -> int:
     finally:
         broker.stop()
     print(table(metrics))
+    out = Path(args.out)
+    if args.only and out.exists():
+        # A partial run replaces its own rows and keeps the others of the last full run.
+        names = {m.name for m in metrics}
+        kept = [m for m in json.loads(out.read_text())["metrics"] if m["name"] not in names]
+        metrics = [Metric(**m) for m in kept] + metrics
     result = {
         "mode": "quick" if args.quick else "full",
         "environment": environment(),
         "metrics": [asdict(m) for m in metrics],
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0
 

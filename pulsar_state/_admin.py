@@ -1,8 +1,9 @@
-"""The few Pulsar admin REST calls the manager needs: the tail position and topic policies.
+"""The few Pulsar admin REST calls the manager needs: topic policies, side-topic tails, backlog.
 
-Python Readers have no ``get_last_message_id`` and ``has_message_available`` has had
-correctness bugs, so the tail of the log is captured explicitly through the admin API's
-``lastMessageId``. The same API tells whether a topic is partitioned or would lose history.
+The state topic's tail is captured over the binary protocol (``_tail``); the admin API's
+``lastMessageId`` and ledger list remain for the snapshot side topics, for the rare tail the
+binary answer leaves open (an empty current ledger), and for the CLI. The same API tells
+whether a topic is partitioned or would lose history.
 The standard library's HTTP client runs in a worker thread so the event loop never blocks.
 
 Secured clusters: every request carries the manager's credentials (a bearer token, evaluated
@@ -20,7 +21,7 @@ import logging
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ from ._errors import (
     PartitionedTopicError,
     UnsafeTopicPolicyError,
 )
-from ._pulsar import LogPosition, http_cause, is_transient_cause
+from ._pulsar import TAIL_SUBSCRIPTION, LogPosition, http_cause, is_transient_cause
 
 __all__ = [
     "AdminClient",
@@ -120,8 +121,9 @@ def resolve_admin_url(pulsar: Any, admin_url: str | None) -> str:
         return default_admin_url(pulsar)
     # A client does not tell its service URL: guessing would talk to another broker.
     raise ConfigurationError(
-        "a borrowed pulsar.asyncio.Client needs admin_url= (the broker's admin REST "
-        "URL, e.g. http://host:8080)"
+        "a borrowed pulsar.asyncio.Client needs admin_url= (the broker's admin REST URL, "
+        "e.g. http://host:8080) for the topic checks and snapshots; without them "
+        "(check_topic=False, no snapshot codec) it needs none"
     )
 
 
@@ -362,6 +364,52 @@ class AdminClient:
         last = max(earlier, key=lambda ledger: int(ledger["ledgerId"]))
         return LogPosition(int(last["ledgerId"]), int(last["entries"]) - 1)
 
+    async def _check_trim_point(
+        self, topic: TopicName, policy: Callable[[str, str], Awaitable[Any]]
+    ) -> None:
+        """Under a finite retention, only the library's durable subscription keeps the history
+        that replicas still need: it must exist, and nothing may move or delete it.
+        ``policy(name, path)`` reads one setting (None when this role may not read it)."""
+        subscriptions = await policy("subscriptions", topic.rest_path + "/subscriptions")
+        if subscriptions is not None and TAIL_SUBSCRIPTION not in subscriptions:
+            raise UnsafeTopicPolicyError(
+                f"{topic} has no subscription {TAIL_SUBSCRIPTION!r}, which holds its history "
+                "when trim_history is on",
+                topic=str(topic),
+            )
+        ttl = await policy("message TTL", topic.rest_path + "/messageTTL?applied=true")
+        if ttl not in (None, 0):
+            raise UnsafeTopicPolicyError(
+                f"{topic} has a message TTL of {ttl}s: it would acknowledge (and so delete) "
+                "history that replicas still need. Remove the TTL on the topic and namespace",
+                topic=str(topic),
+            )
+        quotas = (
+            await policy("backlog quotas", topic.rest_path + "/backlogQuotaMap?applied=true") or {}
+        )
+        for kind, quota in quotas.items():
+            evicts = str(quota.get("policy", "")).lower() == "consumer_backlog_eviction"
+            limited = int(quota.get("limitSize", -1)) >= 0 or int(quota.get("limitTime", -1)) >= 0
+            if evicts and limited:
+                raise UnsafeTopicPolicyError(
+                    f"{topic} has a {kind} backlog quota with consumer_backlog_eviction: it "
+                    "would move the trim point past history that replicas still need",
+                    topic=str(topic),
+                )
+        namespace = f"/admin/v2/namespaces/{topic.tenant}/{topic.namespace}"
+        expiry = await policy("subscription expiry", namespace + "/subscriptionExpirationTime")
+        if expiry is None:  # the broker's default, if this user may read it
+            status, runtime = await self.get("/admin/v2/brokers/configuration/runtime")
+            if status == 200 and isinstance(runtime, dict):
+                expiry = int(runtime.get("subscriptionExpirationTimeMinutes", 0))
+        if expiry not in (None, 0):
+            raise UnsafeTopicPolicyError(
+                f"{topic}: subscriptions expire after {expiry} min without consumers; the trim "
+                "point's subscription would go, and with it the history it holds. Set "
+                "subscriptionExpirationTimeMinutes to 0",
+                topic=str(topic),
+            )
+
     async def backlog(
         self, topic: TopicName, *, after: LogPosition | None = None
     ) -> tuple[int, int]:
@@ -399,8 +447,15 @@ class AdminClient:
                 topic=str(topic),
             )
 
-    async def check_topic(self, topic: TopicName, *, require_policies: bool = False) -> list[str]:
+    async def check_topic(
+        self, topic: TopicName, *, trimmed: bool = False, require_policies: bool = False
+    ) -> list[str]:
         """Refuse a partitioned topic and one whose policies would lose history.
+
+        ``trimmed``: the library trims the topic itself (``trim_history``) by moving its
+        durable subscription :data:`~._pulsar.TAIL_SUBSCRIPTION`, which must exist. A finite
+        retention is then accepted, as it deletes only what that subscription has passed;
+        what would move or drop the subscription is refused instead.
 
         A role with only produce and consume permission may not read policies (the broker
         answers 403). Then, unless ``require_policies``, the policies it could not read are
@@ -408,25 +463,27 @@ class AdminClient:
         able to use the topic, and an operator checks them with ``pulsar-state doctor``.
         """
         await self.check_access(topic)
-        return await self.check_policies(topic, require_policies=require_policies)
+        return await self.check_policies(topic, trimmed=trimmed, require_policies=require_policies)
 
     async def check_policies(
-        self, topic: TopicName, *, require_policies: bool = False
+        self, topic: TopicName, *, trimmed: bool = False, require_policies: bool = False
     ) -> list[str]:
         """The policy half of :meth:`check_topic`; returns the policies it could not read."""
         unchecked: list[str] = []
 
         async def policy(name: str, path: str) -> Any:
-            status, body = await self.get(topic.rest_path + path)
+            status, body = await self.get(path)
             if status == 403 and not require_policies:
                 unchecked.append(name)
                 return None
             if status != 200:
-                return await self.get_ok(topic.rest_path + path)  # raises the clear error
+                return await self.get_ok(path)  # raises the clear error
             return body
 
-        retention = await policy("retention", "/retention?applied=true")
-        if "retention" not in unchecked:
+        retention = await policy("retention", topic.rest_path + "/retention?applied=true")
+        if trimmed:
+            await self._check_trim_point(topic, policy)
+        elif "retention" not in unchecked:
             retention = retention or {}
             minutes = int(retention.get("retentionTimeInMinutes", 0))
             size_mb = int(retention.get("retentionSizeInMB", 0))
@@ -438,7 +495,9 @@ class AdminClient:
                     "--time -1 --size -1`",
                     topic=str(topic),
                 )
-        threshold = await policy("compaction threshold", "/compactionThreshold?applied=true")
+        threshold = await policy(
+            "compaction threshold", topic.rest_path + "/compactionThreshold?applied=true"
+        )
         if threshold not in (None, 0):
             raise UnsafeTopicPolicyError(
                 f"{topic} has automatic compaction on (threshold {threshold} bytes): compaction "
@@ -446,7 +505,9 @@ class AdminClient:
                 "threshold on the topic and its namespace",
                 topic=str(topic),
             )
-        inactive = await policy("inactive-topic policy", "/inactiveTopicPolicies?applied=true")
+        inactive = await policy(
+            "inactive-topic policy", topic.rest_path + "/inactiveTopicPolicies?applied=true"
+        )
         if (inactive or {}).get("deleteWhileInactive"):
             raise UnsafeTopicPolicyError(
                 f"{topic} is deleted when inactive ({inactive}): its history would be lost. Set "

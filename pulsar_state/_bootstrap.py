@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from ._envelope import SnapshotManifest
 from ._errors import PulsarStateError
 from ._pulsar import LogPosition
 from ._replica import Replica
+from ._tail import Tail
 from ._types import ManagerStats, ReplayProgress
 
 __all__ = ["replay_to_tail"]
@@ -25,7 +27,8 @@ _REPORT_EVERY_S = 2.0
 
 async def replay_to_tail(
     replica: Replica[Any, Any],
-    admin: AdminClient,
+    tail_of_log: Tail,
+    admin: AdminClient | None,
     topic: TopicName,
     stats: ManagerStats,
     *,
@@ -67,19 +70,19 @@ async def replay_to_tail(
             except Exception:
                 logger.exception("on_progress callback raised")
 
-    tail = await admin.last_position(topic)
+    tail = await tail_of_log.position()
     if tail is None or replica.reached(tail):
         # The pump got there first (or there is nothing): the work was what it read.
         report(time.monotonic(), stats.records_read, stats.bytes_read, done=True)
         return
     records_total: int | None
     bytes_total: int | None
-    try:
-        # The snapshot's own position, not the read position: the pump is already moving.
-        after = LogPosition(snapshot.log_ledger, snapshot.log_entry) if snapshot else None
-        records_total, bytes_total = await admin.backlog(topic, after=after)
-    except PulsarStateError:
-        records_total = bytes_total = None
+    records_total = bytes_total = None
+    if admin is not None:  # totals for progress reports only
+        with contextlib.suppress(PulsarStateError):
+            # The snapshot's own position, not the read position: the pump is already moving.
+            after = LogPosition(snapshot.log_ledger, snapshot.log_entry) if snapshot else None
+            records_total, bytes_total = await admin.backlog(topic, after=after)
     started = time.monotonic()
     waiter = replica.log_waiter(tail)
     while True:

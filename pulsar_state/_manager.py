@@ -14,7 +14,8 @@ How it works, in brief (the README has the long form):
   it ignores it, deterministically, everywhere. A fenced, stale or duplicated record can never
   change the state; the writer whose record was ignored re-runs its generator and retries.
 * **Reads.** ``latest=False`` reads the local state. ``latest=True`` captures the tail position
-  at call time (admin ``lastMessageId``) and waits until the pump has passed it.
+  at call time (the broker's last message id, over the binary protocol) and waits until the
+  pump has passed it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from ._records import RecordBuilder
 from ._replica import Replica
 from ._retry import retry_transient
 from ._snapshots import SnapshotPolicy, SnapshotStore
+from ._tail import Tail
 from ._types import AppliedRecord, ManagerStats, OnCorrupt, ReplayProgress, WriteResult
 from ._writer import Writer
 
@@ -60,11 +62,11 @@ Op = TypeVar("Op")
 T = TypeVar("T")
 
 
-# Each teardown step of a close (writer, reader, admin client, Pulsar client) gets at least
-# this long even when the close's budget is used up, so that nothing is left open for lack of
-# time; a close therefore takes at most ``close_budget(timeout)``.
+# Each teardown step of a close (writer, reader, tail consumer, snapshot store, admin client,
+# Pulsar client) gets at least this long even when the close's budget is used up, so that
+# nothing is left open for lack of time; a close takes at most ``close_budget(timeout)``.
 _TEARDOWN_FLOOR_S = 1.0
-_TEARDOWN_STEPS = 4
+_TEARDOWN_STEPS = 6
 
 
 def close_budget(timeout: float) -> float:
@@ -120,6 +122,16 @@ def _secured_client_options(
     return options
 
 
+def _check_admin_headers(admin_headers: HeaderSource | None) -> None:
+    if admin_headers is not None and not (
+        callable(admin_headers) or isinstance(admin_headers, dict)
+    ):
+        raise ConfigurationError(
+            "admin_headers= takes a dict of headers or a function returning one, not "
+            f"{type(admin_headers).__name__}"
+        )
+
+
 def _admin_client(
     admin_url: str,
     authentication: Any,
@@ -128,13 +140,6 @@ def _admin_client(
 ) -> AdminClient:
     """The admin REST client with the same credentials and trust as the binary client."""
     _binary_auth, token = client_authentication(authentication)
-    if admin_headers is not None and not (
-        callable(admin_headers) or isinstance(admin_headers, dict)
-    ):
-        raise ConfigurationError(
-            "admin_headers= takes a dict of headers or a function returning one, not "
-            f"{type(admin_headers).__name__}"
-        )
     context = None
     if admin_url.lower().startswith("https:"):
         context = admin_ssl_context(
@@ -169,8 +174,10 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         begin_record: ``begin_record(state, position)`` runs before the ops of each accepted
             record, with the position that record gets (1 for the first): for states that
             stamp versions. Runs on the writer's trial state too, with the same position.
-        admin_url: the broker's admin REST URL (default derived from the service URL; required
-            with a borrowed client).
+        admin_url: the broker's admin REST URL, for the topic checks at open, snapshots and
+            replay progress totals (default derived from the service URL). Not needed with
+            ``check_topic=False`` and no ``snapshot_codec``: reads and writes use only the
+            binary protocol; otherwise required with a borrowed client.
         on_corrupt: ``"halt"`` (default) stops applying at a foreign or damaged message and
             raises :class:`ReplicaHaltedError` from then on; ``"skip"`` logs, counts and skips.
         check_topic: refuse partitioned topics and topics whose policies lose history.
@@ -192,6 +199,12 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             many records (or bytes of records) since the last one. None: only manual.
         snapshot_chunk_bytes: snapshot chunk size (one message each; no overall size cap).
         load_snapshot: open from the newest good snapshot (default) or replay everything.
+        trim_history: after each snapshot this manager writes, let the broker delete the
+            history behind the ``keep_snapshots`` newest snapshots (needs ``snapshot_codec``).
+            The library's durable subscription on the topic is the trim point; the topic may
+            then have a finite retention (see the README). A replica still reading behind
+            the trim point falls forward to a snapshot.
+        keep_snapshots: how many of the newest snapshots keep their history (at least 1).
         name: a label for logs and the writer id.
         authentication: credentials for every connection the manager makes. A token (str, or
             a function returning the current one, called again when needed) authenticates
@@ -236,6 +249,8 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         snapshot_every_bytes: int | None = None,
         snapshot_chunk_bytes: int = 1024 * 1024,
         load_snapshot: bool = True,
+        trim_history: bool = False,
+        keep_snapshots: int = 2,
         name: str | None = None,
         authentication: Any = None,
         admin_headers: HeaderSource | None = None,
@@ -245,14 +260,27 @@ class SharedStateManager(Tunables, Generic[S, Op]):
     ) -> None:
         if on_corrupt not in ("halt", "skip"):
             raise ConfigurationError(f"on_corrupt must be 'halt' or 'skip', not {on_corrupt!r}")
+        if trim_history and snapshot_codec is None:
+            raise ConfigurationError(
+                "trim_history needs snapshot_codec= (it trims behind snapshots)"
+            )
+        if keep_snapshots < 1:
+            raise ConfigurationError(f"keep_snapshots must be at least 1, not {keep_snapshots}")
+        self._trim_history = trim_history
+        self._keep_snapshots = keep_snapshots
         self.topic = TopicName.parse(topic)
         self._pulsar_arg = pulsar
         client_options = _secured_client_options(
             client_options, authentication, tls_trust_certs_file_path, tls_validate_hostname
         )
-        self._admin = _admin_client(
-            resolve_admin_url(pulsar, admin_url), authentication, admin_headers, client_options
-        )
+        _check_admin_headers(admin_headers)
+        # The admin REST client only where it is needed: the tail comes over the binary protocol.
+        self._admin: AdminClient | None = None
+        if admin_url is not None or check_topic or snapshot_codec is not None:
+            self._admin = _admin_client(
+                resolve_admin_url(pulsar, admin_url), authentication, admin_headers, client_options
+            )
+        self._tail = Tail(self.topic, self._admin)
         self._check_topic = check_topic
         self._settings = Settings(
             idle_release_s=idle_release_s,
@@ -292,6 +320,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         )
         self._replica.on_halt.append(self._pending.fail_queued)
         self._snapshots: SnapshotPolicy[S] | None = None
+        self._store: SnapshotStore | None = None
         self._conn: PulsarConnection | None = None
         self._owns_conn = False
         self._writer: Writer | None = None
@@ -351,38 +380,47 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         else:
             self._conn = PulsarConnection.wrap(self._pulsar_arg)
         conn, topic, replica = self._conn, str(self.topic), self._replica
-        # A pulsar.Authentication object's credentials stay inside the C++ client.
-        rest_blind = not self._admin.authenticated and "authentication" in (
-            self._client_options or {}
-        )
-        if rest_blind:
-            logger.warning(
-                "the Pulsar client of %s has credentials but the admin REST calls to %s have "
-                "none (a pulsar.Authentication object cannot lend them): they will be "
-                "refused on a secured cluster. Pass a token as authentication= or the "
-                "REST headers as admin_headers=",
-                topic,
-                self._admin.admin_url,
+        admin = self._admin
+        if admin is not None:
+            # A pulsar.Authentication object's credentials stay inside the C++ client.
+            rest_blind = not admin.authenticated and "authentication" in (
+                self._client_options or {}
             )
-        if self._check_topic or not rest_blind:
-            # Refused credentials fail here at once; the binary client only times out on them.
-            await retry_transient(
-                lambda: self._admin.check_access(self.topic, refuse_partitioned=self._check_topic),
-                deadline=deadline,
-                what=f"checking access to {topic}",
-            )
+            if rest_blind:
+                logger.warning(
+                    "the Pulsar client of %s has credentials but the admin REST calls to %s "
+                    "have none (a pulsar.Authentication object cannot lend them): they will be "
+                    "refused on a secured cluster. Pass a token as authentication= or the "
+                    "REST headers as admin_headers=",
+                    topic,
+                    admin.admin_url,
+                )
+            if self._check_topic or not rest_blind:
+                # Refused credentials fail here at once; the binary client only times out.
+                await retry_transient(
+                    lambda: admin.check_access(self.topic, refuse_partitioned=self._check_topic),
+                    deadline=deadline,
+                    what=f"checking access to {topic}",
+                )
         # Each step is retried on transient failures (a broker restarting) up to the deadline;
         # each is idempotent. Creating the reader also creates the topic, so policies exist.
         await retry_transient(
             lambda: replica.attach(conn), deadline=deadline, what=f"opening a reader on {topic}"
         )
+        await retry_transient(
+            lambda: self._tail.attach(conn, name=self.writer_id),
+            deadline=deadline,
+            what=f"opening the tail probe on {topic}",
+        )
         if self._check_topic:
+            assert admin is not None  # required with check_topic (see __init__)
             await retry_transient(
-                lambda: self._admin.check_policies(self.topic),
+                lambda: admin.check_policies(self.topic, trimmed=self._trim_history),
                 deadline=deadline,
                 what=f"checking the policies of {topic}",
             )
         if (codec := self._snapshot_codec) is not None:
+            assert self._admin is not None  # required with snapshots (see __init__)
             store = SnapshotStore(
                 conn,
                 self._admin,
@@ -390,6 +428,13 @@ class SharedStateManager(Tunables, Generic[S, Op]):
                 chunk_bytes=self._snapshot_chunk_bytes,
                 timeout_s=self.open_timeout_s,
             )
+            self._store = store
+            if self._trim_history:
+                await retry_transient(
+                    lambda: store.hold(name=self.writer_id),
+                    deadline=deadline,
+                    what=f"holding the snapshot topics of {topic}",
+                )
             start = SnapshotPolicy[S].start
             self._snapshots = await retry_transient(
                 lambda: start(
@@ -399,14 +444,19 @@ class SharedStateManager(Tunables, Generic[S, Op]):
                     replica,
                     self._machine.trial_copy,
                     load=self._load_snapshot,
+                    trim_log=self._tail.trim_through if self._trim_history else None,
+                    keep_snapshots=self._keep_snapshots,
                 ),
                 deadline=deadline,
                 what="loading a snapshot",
             )
+        if self._trim_history and self._snapshots is not None:
+            replica.fall_forward = self._snapshots.fall_forward
         self._pump_task = asyncio.create_task(replica.pump(), name=f"pulsar-state-pump-{topic}")
         await retry_transient(
             lambda: replay_to_tail(
                 replica,
+                self._tail,
                 self._admin,
                 self.topic,
                 self.stats,
@@ -420,7 +470,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         self._writer = Writer(
             self._context,
             conn,
-            self._admin,
+            self._tail,
             self._pending,
             replica,
             RecordBuilder(self._machine, self.writer_id, self._settings),
@@ -477,7 +527,11 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         self._pending.fail_in_flight()
         self._pending.fail_queued(closed)  # anything requeued while closing
         self._replica.fail_waiters(closed)
-        await _bounded(self._admin.close(), left(_TEARDOWN_FLOOR_S))
+        await _bounded(self._tail.close(), left(_TEARDOWN_FLOOR_S))
+        if self._store is not None:
+            await _bounded(self._store.close(), left(_TEARDOWN_FLOOR_S))
+        if self._admin is not None:
+            await _bounded(self._admin.close(), left(_TEARDOWN_FLOOR_S))
         if self._conn is not None and self._owns_conn:
             await _bounded(self._conn.close(), left(_TEARDOWN_FLOOR_S))
         logger.debug("closed manager on %s", self.topic)
@@ -539,7 +593,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         """Catch up with the tail of the log as of now; returns the position reached."""
         self._check_usable()
         timeout = self.read_timeout_s if timeout is None else timeout
-        return await self._replica.catch_up(lambda: self._admin.last_position(self.topic), timeout)
+        return await self._replica.catch_up(self._tail.position, timeout)
 
     async def wait_for(self, position: int, *, timeout: float | None = None) -> None:
         """Wait until this replica has accepted ``position`` records (read-your-writes)."""

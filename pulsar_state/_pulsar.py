@@ -57,10 +57,13 @@ __all__ = [
     "RawMessage",
     "StateReader",
     "StateWriter",
+    "TAIL_SUBSCRIPTION",
     "TRANSIENT",
+    "TailProbe",
     "client_authentication",
     "http_cause",
     "is_transient_cause",
+    "read_log",
     "translate_errors",
 ]
 
@@ -614,6 +617,73 @@ def client_authentication(authentication: Any) -> tuple[Any, str | Callable[[], 
     )
 
 
+# The library's own durable subscription on a state topic: every replica attaches a consumer
+# to it to ask the broker for the topic's last message id over the binary protocol.
+# Durable because pulsar-client (Python) offers no other way: its Reader has no
+# get_last_message_id and its subscribe() no non-durable mode. One fixed name per topic, so
+# a process that dies leaves nothing new behind.
+TAIL_SUBSCRIPTION = "pulsar-state"
+
+
+class TailProbe:
+    """Asks the broker for a topic's last message id: one binary round trip, no admin API.
+
+    A consumer on :data:`TAIL_SUBSCRIPTION` with a zero receiver queue: it never asks for a
+    message, so the broker dispatches nothing to it. Failover, so that any number of
+    replicas can attach to the one subscription.
+    """
+
+    def __init__(self, consumer: Any, topic: str) -> None:
+        self._consumer = consumer
+        self._topic = topic
+        self._pid = os.getpid()
+
+    async def last_id(self) -> LogPosition | None:
+        """The topic's last message id as the broker has it now; None when the topic is
+        empty. ``entry`` is -1 when the broker's current ledger holds no entry yet (the last
+        message, if any, is then in an earlier ledger, which this call does not tell)."""
+        _check_process(self._pid, f"the tail probe on {self._topic}")
+        # Asked now, the C++ client would retry quietly until its operation timeout: fail
+        # fast instead, so the caller's retry (to its own deadline) can name the cause.
+        self._check_connected()
+        with translate_errors(f"get the last message id of {self._topic}"):
+            msg_id = await self._consumer.get_last_message_id()
+        position = LogPosition(msg_id.ledger_id(), msg_id.entry_id())
+        return None if position.ledger < 0 else position
+
+    def _check_connected(self) -> None:
+        if not self._consumer._consumer.is_connected():
+            down = BrokerUnavailableError(
+                f"broker unreachable: the tail probe on {self._topic} is not connected (the "
+                "client reconnects by itself)",
+                result="NotConnected",
+            )
+            down.retriable = is_transient_cause("NotConnected")
+            raise down
+
+    async def hold_after(self, position: LogPosition) -> None:
+        """Move the subscription's mark past ``position``: the broker may then delete the
+        ledgers wholly behind it (retention permitting). Never moves it back.
+
+        Acknowledgements are not confirmed by the broker: one sent as the connection drops is
+        lost, and the next call (after the next snapshot) moves the mark instead."""
+        _check_process(self._pid, f"the tail probe on {self._topic}")
+        self._check_connected()
+        with translate_errors(f"move the trim point of {self._topic}"):
+            await self._consumer.acknowledge_cumulative(
+                pulsar.MessageId(-1, position.ledger, position.entry, -1)
+            )
+
+    async def close(self) -> None:
+        if os.getpid() != self._pid:
+            return
+        try:
+            with translate_errors(f"close the tail probe on {self._topic}"):
+                await wait_bounded(self._consumer.close(), _CLOSE_TIMEOUT_S)
+        except (PulsarStateError, TimeoutError) as exc:
+            logger.debug("closing the tail probe on %s: %s", self._topic, exc)
+
+
 class PulsarConnection:
     """A ``pulsar.asyncio.Client`` plus the few calls the state manager makes with it."""
 
@@ -734,6 +804,21 @@ class PulsarConnection:
         self._readers.append(state_reader)
         return state_reader
 
+    async def create_tail_probe(self, topic: str, *, name: str) -> TailProbe:
+        """A :class:`TailProbe` on ``topic`` (creates :data:`TAIL_SUBSCRIPTION` at the topic's
+        first message if it does not exist yet)."""
+        _check_process(self._pid, "the Pulsar client")
+        with translate_errors(f"open the tail probe on {topic}"):
+            consumer = await self._client.subscribe(
+                topic,
+                TAIL_SUBSCRIPTION,
+                consumer_type=pulsar.ConsumerType.Failover,
+                receiver_queue_size=0,
+                consumer_name=name,
+                initial_position=pulsar.InitialPosition.Earliest,
+            )
+        return TailProbe(consumer, topic)
+
     async def partitions(self, topic: str) -> list[str]:
         _check_process(self._pid, "the Pulsar client")
         with translate_errors(f"look up {topic}"):
@@ -793,3 +878,49 @@ def _close_orphan(creation: asyncio.Future[Any]) -> None:
     logger.warning("closing a writer whose creation completed after its timeout")
     task = asyncio.ensure_future(producer.close())
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+@dataclass(frozen=True, slots=True)
+class LogMessage:
+    """A message of a topic as the tools show it (``pulsar-state log``)."""
+
+    payload: bytes
+    position: LogPosition
+    publish_time_ms: int
+    message_id: str
+
+
+def read_log(
+    service_url: str,
+    topic: str,
+    *,
+    limit: int | None = None,
+    timeout_s: float = 30.0,
+    client_options: dict[str, Any] | None = None,
+) -> Iterator[LogMessage]:
+    """The topic's messages from the first up to its tail as of now, read with a blocking
+    client of the same make as the library's (C++ logger, closed before returning): for
+    command-line tools, which have no event loop. ``client_options``: credentials, TLS."""
+    client = pulsar.Client(
+        service_url,
+        operation_timeout_seconds=max(1, int(timeout_s)),
+        logger=_client_log_option(),
+        **(client_options or {}),
+    )
+    try:
+        with translate_errors(f"read {topic}"):
+            reader = client.create_reader(topic, pulsar.MessageId.earliest)
+            count = 0
+            while (limit is None or count < limit) and reader.has_message_available():
+                message = reader.read_next(timeout_millis=int(timeout_s * 1000))
+                message_id = message.message_id()
+                yield LogMessage(
+                    message.data(),
+                    LogPosition(message_id.ledger_id(), message_id.entry_id()),
+                    message.publish_timestamp(),
+                    str(message_id),
+                )
+                count += 1
+            reader.close()
+    finally:
+        client.close()

@@ -96,6 +96,10 @@ class Replica(Generic[S, Op]):
         self._reader: StateReader | None = None
         self._log_waiters: Waiters[LogPosition] = Waiters()
         self._version_waiters: Waiters[int] = Waiters()
+        # Set when the log may be trimmed (trim_history): loads a snapshot at a position at
+        # least the one given into this replica; False if there is none to load.
+        self.fall_forward: Callable[[int], Awaitable[bool]] | None = None
+        self._behind: tuple[Record, LogPosition] | None = None
 
     def load(self, state: S, version: int, last_record_id: str, read_to: LogPosition) -> None:
         """Start from a snapshot instead of the empty state."""
@@ -158,6 +162,9 @@ class Replica(Generic[S, Op]):
                 self.on_message(message)
                 if self.halt is not None:
                     return
+                if self._behind is not None:
+                    await self._fall_forward()
+                    break  # the reader was replaced: the rest of this batch is not ours
 
     async def _next_batch(self) -> list[RawMessage] | None:
         """The next messages; None once closed. A reader that failed for good is replaced
@@ -246,10 +253,45 @@ class Replica(Generic[S, Op]):
             self._apply(record, decoded, at)
             if self.halt is not None:
                 return
+        elif self.fall_forward is not None:
+            # Ahead of this replica: the records between were trimmed away while it was
+            # behind (or its history forked). A snapshot at or after the base decides which.
+            self._behind = (record, at)
+            return
         else:
             self.halt_with(self._forked(record, at))
             return
         self._advance_read(at)
+
+    async def _fall_forward(self) -> None:
+        assert self._behind is not None
+        assert self.fall_forward is not None
+        record, at = self._behind
+        self._behind = None
+        behind_at = self.version
+        fall_forward = self.fall_forward
+        deadline = asyncio.get_running_loop().time() + self._context.settings.open_timeout_s
+        loaded = await retry_transient(
+            lambda: fall_forward(record.base_position),
+            deadline=deadline,
+            what=f"loading a snapshot of {self._topic} to fall forward to",
+        )
+        if not loaded:
+            self.halt_with(self._forked(record, at))
+            return
+        self._stats.fell_forward += 1
+        logger.warning(
+            "%s was trimmed past this replica (at position %d): fell forward to the snapshot "
+            "at position %d",
+            self._topic,
+            behind_at,
+            self.version,
+        )
+        assert self.read_to is not None
+        assert self._conn is not None
+        self._log_waiters.release(self.read_to)
+        self._version_waiters.release(self.version)
+        await self.open_reader(self._conn)
 
     def _decode(self, record: Record, at: LogPosition) -> list[list[Op]]:
         try:

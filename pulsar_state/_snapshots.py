@@ -6,8 +6,12 @@ bytes, in chunks of at most ``chunk_bytes``, so no single-message cap applies) a
 chunks). Keeping them off the state topic means the log stays a pure sequence of records,
 and opening reads only the small index, the chosen snapshot's chunks, and the log's tail.
 
-The state topic is never trimmed by the library: the log stays the source of truth, so a
-missing or damaged snapshot falls back to an older one, or to a full replay.
+By default the state topic is never trimmed: the log stays the source of truth, so a missing
+or damaged snapshot falls back to an older one, or to a full replay. With ``trim_history``,
+after each snapshot it writes, a replica moves the library's durable subscription on the state
+topic (and on the chunk topic) to just before what the oldest of the ``keep_snapshots`` newest
+snapshots covers: the broker may then delete whole ledgers behind it, as retention allows. A
+replica still reading behind that point falls forward to a snapshot (``Replica``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 from ._admin import AdminClient, TopicName
@@ -39,8 +43,9 @@ from ._errors import (
     PulsarStateError,
     WriterBusyError,
 )
-from ._pulsar import LogPosition, PulsarConnection, StateWriter
+from ._pulsar import LogPosition, PulsarConnection, StateWriter, TailProbe
 from ._replica import Replica
+from ._retry import is_transient
 
 __all__ = ["SnapshotPolicy", "SnapshotStore", "digest_of"]
 
@@ -68,6 +73,28 @@ class SnapshotStore:
         self.index_topic = TopicName.parse(f"{topic}-snapshot-index")
         self._chunk_bytes = chunk_bytes
         self._timeout_s = timeout_s
+        self._data_hold: TailProbe | None = None
+        self._index_hold: TailProbe | None = None
+
+    async def hold(self, *, name: str) -> None:
+        """Hold the side topics' messages with the library's durable subscription, as the
+        state topic's are: under a finite retention, a topic without one loses its messages
+        as soon as a ledger closes. Idempotent."""
+        if self._data_hold is None:
+            self._data_hold = await self.conn.create_tail_probe(str(self.data_topic), name=name)
+        if self._index_hold is None:
+            self._index_hold = await self.conn.create_tail_probe(str(self.index_topic), name=name)
+
+    async def trim_chunks_through(self, position: LogPosition) -> None:
+        """Let the broker delete the chunk topic's ledgers wholly at or before ``position``."""
+        if self._data_hold is not None:
+            await self._data_hold.hold_after(position)
+
+    async def close(self) -> None:
+        for hold in (self._data_hold, self._index_hold):
+            if hold is not None:
+                await hold.close()
+        self._data_hold = self._index_hold = None
 
     async def manifests(self) -> list[SnapshotManifest]:
         """Every complete snapshot's manifest, oldest first (the index is small)."""
@@ -176,6 +203,10 @@ class SnapshotStore:
             return None  # an older manifest: nothing more to check
         first = await self.log_message(None)
         first_at = LogPosition(manifest.log_first_ledger or 0, manifest.log_first_entry or 0)
+        if first is not None and first[0] > first_at:
+            # The log's beginning was trimmed. Ledger ids are never reused, so the covered
+            # message, found above at its position, already identifies this history.
+            return None
         if first is None or first != (first_at, manifest.log_first_record):
             return (
                 f"the log begins with {first}, the snapshot's history with "
@@ -325,8 +356,12 @@ class SnapshotPolicy(Generic[S]):
         codec: Codec[S],
         replica: Replica[S, Any],
         copy_state: Callable[[S], S],
+        trim_log: Callable[[LogPosition], Awaitable[None]] | None = None,
+        keep_snapshots: int = 2,
     ) -> None:
         self._context = context
+        self._trim_log = trim_log
+        self._keep_snapshots = keep_snapshots
         self._store = store
         self._codec = codec
         self._replica = replica
@@ -351,10 +386,13 @@ class SnapshotPolicy(Generic[S]):
         copy_state: Callable[[S], S],
         *,
         load: bool,
+        trim_log: Callable[[LogPosition], Awaitable[None]] | None = None,
+        keep_snapshots: int = 2,
     ) -> SnapshotPolicy[S]:
         """The policy of a replica about to start: loads the newest good snapshot into it
-        (unless ``load`` is False) and registers the determinism check as its hook."""
-        policy = cls(context, store, codec, replica, copy_state)
+        (unless ``load`` is False) and registers the determinism check as its hook.
+        ``trim_log``: trim the history behind the ``keep_snapshots`` newest snapshots."""
+        policy = cls(context, store, codec, replica, copy_state, trim_log, keep_snapshots)
         hooks = list(replica.after_apply)
         replica.after_apply.append(policy.check_determinism)
         try:
@@ -365,13 +403,24 @@ class SnapshotPolicy(Generic[S]):
             raise
         return policy
 
-    async def load_newest(self, *, load: bool) -> bool:
+    async def fall_forward(self, needed: int) -> bool:
+        """Load the newest good snapshot at a position of at least ``needed`` (the replica is
+        behind a trimmed log); False if there is none."""
+        # A transient failure is raised (for the caller to retry), not taken for a bad
+        # snapshot: falling back to an older one would find its history trimmed away.
+        return await self.load_newest(load=True, at_least=needed, transient_raises=True)
+
+    async def load_newest(
+        self, *, load: bool, at_least: int = 0, transient_raises: bool = False
+    ) -> bool:
         """Load the newest snapshot that checks out; older ones are fallbacks. True if one was."""
         manifests = await self._store.manifests()
         if manifests and not load:
             self._to_verify = manifests[-1]
             return False
         for manifest in reversed(manifests):
+            if manifest.position < at_least:
+                continue
             try:
                 mismatch = await self._store.incarnation_mismatch(manifest)
                 if mismatch is not None:
@@ -388,6 +437,10 @@ class SnapshotPolicy(Generic[S]):
                 data = await self._store.load(manifest)
                 state = await asyncio.to_thread(self._codec.decode, data)
             except (PulsarStateError, TimeoutError) as exc:
+                if transient_raises and is_transient(exc):
+                    raise
+                if transient_raises and isinstance(exc, TimeoutError):
+                    raise OperationTimeoutError(f"loading snapshot {manifest.snapshot_id}") from exc
                 logger.warning(
                     "snapshot %s of %s (position %d) is unusable, falling back: %s",
                     manifest.snapshot_id,
@@ -489,7 +542,36 @@ class SnapshotPolicy(Generic[S]):
             manifest.size / 1e6,
             manifest.chunks,
         )
+        if self._trim_log is not None:
+            try:
+                await self.trim()
+            except PulsarStateError as exc:  # the snapshot stands; the next one trims again
+                logger.warning("trimming %s after a snapshot failed: %s", self._topic, exc)
         return manifest
+
+    async def trim(self) -> LogPosition | None:
+        """Move the trim points to just before what the oldest of the ``keep_snapshots``
+        newest snapshots needs: the message it covers (checked when it is loaded) and its
+        first chunk. Returns the state topic's new trim point, if any."""
+        if self._trim_log is None:
+            return None
+        manifests = sorted(await self._store.manifests(), key=lambda m: m.position)
+        if len(manifests) < self._keep_snapshots:
+            return None
+        oldest = manifests[-self._keep_snapshots]
+        covered = LogPosition(oldest.log_ledger, oldest.log_entry)
+        first_chunk = LogPosition(oldest.first_chunk_ledger, oldest.first_chunk_entry)
+        if first_chunk.entry >= 1:
+            await self._store.trim_chunks_through(first_chunk._replace(entry=first_chunk.entry - 1))
+        if covered.entry < 1:
+            return None  # (the end of the ledger before is unknown: the next snapshot trims)
+        through = covered._replace(entry=covered.entry - 1)
+        await self._trim_log(through)
+        self._stats.history_trims += 1
+        logger.info(
+            "trimmed %s through %s (snapshot at position %d)", self._topic, through, oldest.position
+        )
+        return through
 
     def after_batch(self) -> None:
         """Start an automatic snapshot in the background if one is due."""

@@ -88,6 +88,16 @@ COUNTERS: dict[str, tuple[str, str, str]] = {
         "Times this manager gave the writer up (idle, turn, failure, close).",
     ),
     "snapshots_written": ("pulsar_state.snapshots.written", "{snapshot}", "Snapshots written."),
+    "history_trims": (
+        "pulsar_state.history.trims",
+        "{trim}",
+        "Times this manager moved the trim point (trim_history).",
+    ),
+    "fell_forward": (
+        "pulsar_state.fell_forward",
+        "{load}",
+        "Times this replica, behind a trimmed log, loaded a snapshot.",
+    ),
     "determinism_failures": (
         "pulsar_state.determinism_failures",
         "{snapshot}",

@@ -137,6 +137,8 @@ class ManagerStats:
     # replica was behind, and how long it took to reach the tail.
     tail_lag_records: int | None = None
     tail_lag_seconds: float | None = None
+    history_trims: int = 0  # times this manager moved the trim point (trim_history)
+    fell_forward: int = 0  # times this replica, behind a trimmed log, loaded a snapshot
 
 
 # The options that define a manager's state machine: a recipe that brings its own machine

@@ -21,7 +21,6 @@ from tenacity import (
     stop_after_delay,
 )
 
-from ._admin import AdminClient
 from ._context import Context
 from ._envelope import Record
 from ._errors import (
@@ -34,6 +33,7 @@ from ._pending import PendingWrite, PendingWrites
 from ._pulsar import LogPosition, PulsarConnection, StateWriter
 from ._records import OutgoingRecord, RecordBuilder
 from ._retry import backoff, is_transient, retry_transient
+from ._tail import Tail
 
 __all__ = ["ReadSide", "Writer"]
 
@@ -88,7 +88,7 @@ class Writer:
         self,
         context: Context,
         conn: PulsarConnection,
-        admin: AdminClient,
+        tail: Tail,
         pending: PendingWrites,
         replica: ReadSide,
         builder: RecordBuilder[Any, Any],
@@ -96,7 +96,7 @@ class Writer:
     ) -> None:
         self._context = context
         self._conn = conn
-        self._admin = admin
+        self._tail = tail
         self._topic = context.topic
         self._pending = pending
         self._replica = replica
@@ -226,7 +226,7 @@ class Writer:
     async def _catch_up(self) -> None:
         deadline = asyncio.get_running_loop().time() + self._settings.write_timeout_s
         tail = await retry_transient(
-            lambda: self._admin.last_position(self._topic),
+            self._tail.position,
             deadline=deadline,
             what=f"capturing the tail of {self._topic}",
         )

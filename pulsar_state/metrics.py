@@ -63,6 +63,14 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Times this manager gave the writer up (idle, turn, failure, close).",
     ),
     "snapshots_written": ("pulsar_state_snapshots_written", "Snapshots this manager wrote."),
+    "history_trims": (
+        "pulsar_state_history_trims",
+        "Times this manager moved the trim point (trim_history).",
+    ),
+    "fell_forward": (
+        "pulsar_state_fell_forward",
+        "Times this replica, behind a trimmed log, loaded a snapshot.",
+    ),
     "determinism_failures": (
         "pulsar_state_determinism_failures",
         "Snapshots whose digest differed from this replica's state.",

@@ -52,6 +52,8 @@ from pulsar_state import (
 )
 from pulsar_state._admin import AdminClient, TopicName, default_admin_url
 from pulsar_state._envelope import decode_record
+from pulsar_state._manager import _secured_client_options
+from pulsar_state._pulsar import LogMessage, read_log
 
 from ._map_ops import MapVersion
 from .map import PulsarMap
@@ -609,36 +611,15 @@ def watch(settings: Settings, prefix: str | None, one_key: str | None, no_initia
 # ---------------------------------------------------------------- any state topic
 
 
-def _client(settings: Settings) -> Any:
-    import pulsar
-
-    return pulsar.Client(
+def _read_all(settings: Settings, topic: str, limit: int | None = None) -> Iterator[LogMessage]:
+    """The topic's messages from the first, up to its tail as of now."""
+    return read_log(
         settings.service_url,
-        operation_timeout_seconds=max(1, int(settings.timeout)),
-        logger=logging.getLogger("pulsar"),
+        topic,
+        limit=limit,
+        timeout_s=settings.timeout,
+        client_options=_secured_client_options(None, settings.auth_token, None, None),
     )
-
-
-def _read_all(settings: Settings, topic: str, limit: int | None = None) -> Iterator[Any]:
-    """The topic's messages from the first, up to its tail as of now (blocking client)."""
-    import pulsar
-
-    client = _client(settings)
-    try:
-        reader = client.create_reader(topic, pulsar.MessageId.earliest)
-        count = 0
-        while (limit is None or count < limit) and reader.has_message_available():
-            yield reader.read_next(timeout_millis=int(settings.timeout * 1000))
-            count += 1
-        reader.close()
-    except pulsar.PulsarException as exc:
-        raise _BrokerFailure(f"reading {topic}: {exc}") from exc
-    finally:
-        client.close()
-
-
-class _BrokerFailure(PulsarStateError):
-    """A raw client call failed (the CLI's own reads)."""
 
 
 class UndecodableOpError(PulsarStateError):
@@ -689,18 +670,17 @@ def log(settings: Settings, ops: str, limit: int | None) -> None:
         show: Callable[[bytes], Any] = _map_op_decoder(settings) if ops == "map" else _to_json
         accepted, last_id = 0, ""
         for message in _read_all(settings, settings.need_topic(), limit):
-            message_id = message.message_id()
             published = datetime.datetime.fromtimestamp(
-                message.publish_timestamp() / 1000, tz=datetime.UTC
+                message.publish_time_ms / 1000, tz=datetime.UTC
             )
-            record = decode_record(message.data(), message_id=str(message_id))
+            record = decode_record(message.payload, message_id=message.message_id)
             # The same compare-and-set every replica applies (see pulsar_state._envelope).
             taken = record.base_position == accepted and record.base_record_id == last_id
             if taken:
                 accepted, last_id = accepted + 1, record.record_id
             yield {
                 "position": accepted if taken else None,
-                "log_position": f"{message_id.ledger_id()}:{message_id.entry_id()}",
+                "log_position": f"{message.position.ledger}:{message.position.entry}",
                 "record_id": record.record_id,
                 "writer": record.writer_id,
                 "time": published.isoformat(timespec="milliseconds"),
@@ -859,7 +839,6 @@ def snapshot() -> None:
 
 
 async def _with_snapshots(settings: Settings, use: Callable[[Any], Awaitable[T]]) -> T:
-    from pulsar_state._manager import _secured_client_options
     from pulsar_state._pulsar import PulsarConnection
     from pulsar_state._snapshots import SnapshotStore
 

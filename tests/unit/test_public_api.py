@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +34,22 @@ def test_an_error_names_the_public_module_and_pickles() -> None:
 
 def test_no_private_leftovers_in_the_namespace() -> None:
     assert "_name" not in vars(pulsar_state)
+
+
+def test_only_one_module_imports_pulsar() -> None:
+    # The client's behaviour (exceptions, logger, close at exit) is handled in one place; a
+    # second client elsewhere (the CLI had one, with a Python logger: an abort at exit) escapes it.
+    repo = Path(pulsar_state.__file__).resolve().parents[1]
+    importers = []
+    for path in sorted(
+        [*repo.joinpath("pulsar_state").rglob("*.py"), *repo.joinpath("recipes").rglob("*.py")]
+    ):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            if any(name == "pulsar" or name.startswith("pulsar.") for name in names):
+                importers.append(str(path.relative_to(repo)))
+    assert sorted(set(importers)) == ["pulsar_state/_pulsar.py"]
