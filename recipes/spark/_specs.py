@@ -12,9 +12,9 @@ import logging
 import os
 import pickle
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
 from pulsar_state import BlockingPortal, ClosedError, Codec, ConfigurationError
 from recipes import PulsarMap, SyncPulsarMap
@@ -124,6 +124,13 @@ _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(MapSpec))
 # ---------------------------------------------------------------------------------- the cache
 
 
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+R = TypeVar("R", bound=_Closable)
+
+
 class _Cache:
     """This process's open maps, one per spec, sharing one portal (one event-loop thread)."""
 
@@ -131,6 +138,7 @@ class _Cache:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.maps: dict[str, SyncPulsarMap[Any, Any]] = {}
+        self.resources: dict[str, _Closable] = {}  # see cached_resource
         self.portal: BlockingPortal | None = None
 
 
@@ -175,9 +183,7 @@ def get_map(spec: MapSpec, *, timeout: float | None = None) -> SyncPulsarMap[Any
                 return cached
             except ClosedError:
                 del cache.maps[spec.key]
-        if cache.portal is None:
-            cache.portal = BlockingPortal(name="pulsar-state-spark")
-        new = spec.new_map(portal=cache.portal)
+        new = spec.new_map(portal=_portal_locked(cache))
         try:
             new.open(timeout=timeout)
         except BaseException:
@@ -185,6 +191,24 @@ def get_map(spec: MapSpec, *, timeout: float | None = None) -> SyncPulsarMap[Any
             raise
         cache.maps[spec.key] = new
         return new
+
+
+def _portal_locked(cache: _Cache) -> BlockingPortal:
+    if cache.portal is None:
+        cache.portal = BlockingPortal(name="pulsar-state-spark")
+    return cache.portal
+
+
+def cached_resource(key: str, open_new: Callable[[BlockingPortal], R]) -> R:
+    """This process's resource under ``key``, made by ``open_new(portal)`` on first use (on
+    the portal the cached maps share). Cached like the maps: forgotten in a forked child,
+    closed by :func:`close_maps`."""
+    cache = _current_cache()
+    with cache.lock:
+        found = cache.resources.get(key)
+        if found is None:
+            found = cache.resources[key] = open_new(_portal_locked(cache))
+        return cast(R, found)
 
 
 def _close_quietly(m: SyncPulsarMap[Any, Any]) -> None:
@@ -199,7 +223,13 @@ def close_maps() -> None:
     cache = _current_cache()
     with cache.lock:
         maps, cache.maps = list(cache.maps.values()), {}
+        resources, cache.resources = list(cache.resources.values()), {}
         portal, cache.portal = cache.portal, None
+    for resource in resources:
+        try:
+            resource.close()
+        except Exception as exc:  # best effort, as for the maps
+            logger.warning("closing %r failed: %s", resource, exc)
     for m in maps:
         _close_quietly(m)
     if portal is not None:

@@ -1,0 +1,170 @@
+"""The ``pulsar-state`` data source: the exactly-once stream writer, batch reads at a position,
+the change feed resumed from Spark's checkpoint."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.errors import StreamingQueryException
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming.query import StreamingQuery
+
+from recipes.spark import MapSpec, PulsarMapSink, get_map
+from recipes.spark.datasource import FORMAT, register, spark_options
+from tests.spark.conftest import SPARK_MARKS, WAIT_S
+
+pytestmark = SPARK_MARKS
+
+
+@pytest.fixture
+def session(spark: SparkSession) -> SparkSession:
+    register(spark)
+    return spark
+
+
+def write_csv_files(folder: Path, batches: list[list[tuple[str, int]]]) -> None:
+    """One CSV file per batch (``key,n``), moved in whole so a stream never sees half a file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.time() - 1000
+    for i, rows in enumerate(batches):
+        tmp = folder.parent / f".part-{folder.name}-{i}.csv"
+        tmp.write_text("key,n\n" + "".join(f"{k},{n}\n" for k, n in rows))
+        # The file source takes files by modification time: one second apart keeps the order.
+        os.utime(tmp, (start + i, start + i))
+        shutil.move(tmp, folder / f"part-{i:03}.csv")
+
+
+def stream_of(spark: SparkSession, folder: Path) -> DataFrame:
+    return (
+        spark.readStream.schema("key STRING, n LONG")
+        .option("header", True)
+        .option("maxFilesPerTrigger", 1)
+        .csv(str(folder))
+    )
+
+
+def write_stream(df: DataFrame, spec: MapSpec, checkpoint: Path, **options: str) -> StreamingQuery:
+    writer = (
+        df.writeStream.format(FORMAT)
+        .options(**spark_options(spec))
+        .option("value_column", "n")
+        .option("checkpointLocation", str(checkpoint))
+    )
+    for name, value in options.items():
+        writer = writer.option(name, value)
+    return writer.trigger(availableNow=True).start()
+
+
+def user_entries(spec: MapSpec) -> dict[str, Any]:
+    return {k: v for k, v in get_map(spec).all(latest=True) if not k.startswith("__sink__/")}
+
+
+# --------------------------------------------------------------------------------- writes
+
+BATCHES = [[("a", 1), ("b", 2), ("a", 3)], [("b", 10), ("c", 5)], [("a", 100)]]
+
+
+def test_stream_write_replayed_batch_is_skipped(
+    session: SparkSession, spec: MapSpec, tmp_path: Path
+) -> None:
+    source, checkpoint = tmp_path / "in", tmp_path / "cp"
+    write_csv_files(source, BATCHES)
+    query = write_stream(stream_of(session, source), spec, checkpoint, sink_id="job", mode="add")
+    query.awaitTermination(WAIT_S)
+    assert query.exception() is None
+    expected = {"a": 104, "b": 12, "c": 5}
+    assert user_entries(spec) == expected
+    sink = PulsarMapSink(spec, "job")
+    assert sink.last_batch_id() == 2
+    m = get_map(spec)
+    before = m.sync()
+
+    # As if the driver died after the sink's commit of batch 2 and before Spark logged it:
+    # the restarted query runs batch 2 again, with the same id and rows.
+    (checkpoint / "commits" / "2").unlink()
+    (checkpoint / "commits" / ".2.crc").unlink(missing_ok=True)
+    query = write_stream(stream_of(session, source), spec, checkpoint, sink_id="job", mode="add")
+    query.awaitTermination(WAIT_S)
+    assert query.exception() is None
+    assert m.sync() == before + 1  # the replay did reach the map: one record, no change
+    assert user_entries(spec) == expected
+    assert sink.last_batch_id() == 2
+
+
+def test_replace_mode_and_value_columns(
+    session: SparkSession, spec: MapSpec, tmp_path: Path
+) -> None:
+    source = tmp_path / "in"
+    write_csv_files(source, BATCHES)
+    df = stream_of(session, source).selectExpr("key AS name", "n", "n * 2 AS twice")
+    query = (
+        df.writeStream.format(FORMAT)
+        .options(**spark_options(spec))
+        .option("sink_id", "cols")
+        .option("key_column", "name")
+        .option("value_columns", "n, twice")
+        .option("checkpointLocation", str(tmp_path / "cp"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(WAIT_S)
+    assert query.exception() is None
+    got = user_entries(spec)
+    assert got["c"] == {"n": 5, "twice": 10}
+    assert got["a"] == {"n": 100, "twice": 200}
+    assert got["b"] == {"n": 10, "twice": 20}
+
+
+def test_an_aborted_batch_writes_nothing(
+    session: SparkSession, spec: MapSpec, tmp_path: Path
+) -> None:
+    m = get_map(spec)
+    m.put("untouched", 1)
+    before = m.sync()
+    source = tmp_path / "in"
+    # Two partitions of one batch: one is fine, the other fails on the executor (a null key),
+    # after the first may already have finished. Spark aborts the batch: nothing is written.
+    write_csv_files(source, [[("fine", 1), ("", 2)] * 50])
+    df = stream_of(session, source).repartition(2)
+    query = write_stream(df, spec, tmp_path / "cp", sink_id="aborts", mode="add")
+    with pytest.raises(StreamingQueryException, match="null key"):
+        query.awaitTermination(WAIT_S)
+    assert m.sync() == before
+    assert user_entries(spec) == {"untouched": 1}
+    assert PulsarMapSink(spec, "aborts").last_batch_id() is None
+
+
+def test_a_batch_too_big_for_one_record_fails_and_writes_nothing(
+    session: SparkSession, spec: MapSpec, tmp_path: Path
+) -> None:
+    small = spec.with_options(max_record_bytes=4096)
+    before = get_map(small).sync()
+    source = tmp_path / "in"
+    write_csv_files(source, [[(f"key-{i:04}", i) for i in range(500)]])
+    query = write_stream(stream_of(session, source), small, tmp_path / "cp", sink_id="big")
+    with pytest.raises(
+        StreamingQueryException, match=r"micro-batch 0 of sink 'big'.*nothing was written"
+    ):
+        query.awaitTermination(WAIT_S)
+    assert get_map(small).sync() == before
+    assert get_map(small).all(latest=True) == []
+
+
+def test_writer_options_are_checked(session: SparkSession, spec: MapSpec, tmp_path: Path) -> None:
+    source = tmp_path / "in"
+    write_csv_files(source, BATCHES[:1])
+    with pytest.raises(Exception, match="sink_id is required"):
+        write_stream(stream_of(session, source), spec, tmp_path / "cp1").awaitTermination(WAIT_S)
+    with pytest.raises(Exception, match="no column 'nope'"):
+        write_stream(
+            stream_of(session, source), spec, tmp_path / "cp2", sink_id="x", key_column="nope"
+        ).awaitTermination(WAIT_S)
+    with pytest.raises(Exception, match="mode must be replace or add"):
+        write_stream(
+            stream_of(session, source), spec, tmp_path / "cp3", sink_id="x", mode="max"
+        ).awaitTermination(WAIT_S)
