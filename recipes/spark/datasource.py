@@ -187,12 +187,7 @@ class _Layout:
         ddl = options.get("value_schema")
         schema: DataType | None = None
         if ddl:
-            try:
-                schema = DataType.fromDDL(ddl)
-            except Exception as exc:
-                raise ConfigurationError(
-                    f"option value_schema {ddl!r} is not a Spark DDL type: {exc}"
-                ) from exc
+            schema = _parse_value_schema(ddl)
             if isinstance(schema, StructType):
                 clash = {"key", "version", "position", "kind"} & set(schema.fieldNames())
                 if clash:
@@ -241,6 +236,59 @@ class _Layout:
                 for f in schema.fields
             ]
         return [_checked(value, schema, f"the value of {key!r}")]
+
+
+_SIMPLE_TYPES: dict[str, DataType] = {
+    "string": StringType(),
+    "long": LongType(),
+    "bigint": LongType(),
+    "int": IntegerType(),
+    "integer": IntegerType(),
+    "short": ShortType(),
+    "smallint": ShortType(),
+    "double": DoubleType(),
+    "float": FloatType(),
+    "boolean": BooleanType(),
+    "binary": BinaryType(),
+}
+
+
+def _parse_value_schema(text: str) -> DataType:
+    """A value schema: a simple type (``"long"``), fields of simple types (``"flights LONG,
+    delayed LONG"``), or any type as Spark's JSON (``StructType(...).json()``).
+
+    Parsed here because Spark's own DDL parser needs a session, and the data source's
+    methods run in Python workers that have none."""
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            return _from_json(json.loads(stripped))
+        except Exception as exc:
+            raise ConfigurationError(
+                f"option value_schema is not a Spark JSON schema ({exc}): {text!r}"
+            ) from exc
+    simple = _SIMPLE_TYPES.get(stripped.lower())
+    if simple is not None:
+        return simple
+    fields: list[StructField] = []
+    for part in stripped.split(","):
+        words = part.split()
+        data_type = _SIMPLE_TYPES.get(words[1].lower()) if len(words) == 2 else None
+        if data_type is None:
+            raise ConfigurationError(
+                f"option value_schema {text!r} is not a type this source reads: give one of "
+                f"{', '.join(sorted(_SIMPLE_TYPES))}, fields 'name TYPE, ...' of those, or "
+                "any Spark type as JSON (schema.json())"
+            )
+        fields.append(StructField(words[0].strip("`"), data_type, True))
+    return StructType(fields)
+
+
+def _from_json(document: Any) -> DataType:
+    from pyspark.sql.types import _parse_datatype_json_value
+
+    parsed: DataType = _parse_datatype_json_value(document)
+    return parsed
 
 
 _INTEGRAL = (LongType, IntegerType, ShortType)

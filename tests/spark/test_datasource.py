@@ -3,6 +3,7 @@ the change feed resumed from Spark's checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -13,6 +14,7 @@ import pytest
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
+from pyspark.sql.types import LongType, StructField, StructType
 
 from recipes.spark import MapSpec, PulsarMapSink, get_map
 from recipes.spark.datasource import FORMAT, register, spark_options
@@ -168,3 +170,91 @@ def test_writer_options_are_checked(session: SparkSession, spec: MapSpec, tmp_pa
         write_stream(
             stream_of(session, source), spec, tmp_path / "cp3", sink_id="x", mode="max"
         ).awaitTermination(WAIT_S)
+
+
+# ------------------------------------------------------------------------------ batch reads
+
+
+def read_map(session: SparkSession, spec: MapSpec, **options: Any) -> DataFrame:
+    reader = session.read.format(FORMAT).options(**spark_options(spec))
+    for name, value in options.items():
+        reader = reader.option(name, str(value))
+    return reader.load()
+
+
+def test_batch_read_equals_the_map(session: SparkSession, spec: MapSpec) -> None:
+    m = get_map(spec)
+    m.put_all({f"k{i:03}": {"flights": i, "delayed": i % 7} for i in range(60)})
+    m.put("odd", {"flights": 1.5})
+    PulsarMapSink(spec, "job").write_rows([("via-sink", {"flights": 2})], 0)
+    expected = {k: (v, int(e.version)) for k, e in m.entries(latest=True) for v in [e.value]}
+    del expected["__sink__/job"]
+
+    rows = read_map(session, spec).collect()
+    assert [r.key for r in rows] == sorted(expected)  # key order, markers left out
+    assert {r.key: (json.loads(r.value), r.version) for r in rows} == expected
+
+    for partitions in (1, 4):
+        typed = read_map(
+            session, spec, value_schema="flights DOUBLE, delayed LONG", partitions=partitions
+        )
+        assert typed.columns == ["key", "flights", "delayed", "version"]
+        assert typed.rdd.getNumPartitions() == partitions
+        got = {r.key: (r.flights, r.delayed, r.version) for r in typed.collect()}
+        assert got == {
+            k: (float(v["flights"]), v.get("delayed"), version)
+            for k, (v, version) in expected.items()
+        }
+    with_markers = read_map(session, spec, include_markers="true").collect()
+    assert "__sink__/job" in {r.key for r in with_markers}
+
+
+def test_at_position_equals_the_state_replayed_to_that_position(
+    session: SparkSession, spec: MapSpec
+) -> None:
+    m = get_map(spec)
+    states: dict[int, dict[str, Any]] = {0: {}}  # position -> the map then (kept by the test)
+    current: dict[str, Any] = {}
+
+    def did(position: int) -> None:
+        states[position] = dict(current)
+
+    current.update(a=1, b=2, c=3)
+    did(m.put_all({"a": 1, "b": 2, "c": 3}))
+    current["a"] = 10
+    did(m.put("a", 10).position)
+    del current["b"]
+    m.delete("b")
+    did(m.position)
+    current.clear()
+    did(m.clear())
+    current.update(d=4, a=11)
+    did(m.put_all({"d": 4, "a": 11}))
+    assert sorted(states) == list(range(6))
+    for position, state in states.items():
+        for partitions in (1, 2):
+            rows = read_map(
+                session, spec, at_position=position, value_schema="long", partitions=partitions
+            ).collect()
+            assert {r.key: r.value for r in rows} == state, f"at position {position}"
+            assert all(r.version >> 32 <= position for r in rows)
+    with pytest.raises(Exception, match=r"at_position 6 is beyond the map's tail \(5 records\)"):
+        read_map(session, spec, at_position=6).collect()
+
+
+def test_a_value_of_the_wrong_type_fails_clearly(session: SparkSession, spec: MapSpec) -> None:
+    get_map(spec).put_all({"ok": {"flights": 3}, "bad": {"flights": "three"}})
+    with pytest.raises(
+        Exception,
+        match=r"field 'flights' of the value of 'bad' is 'three' \(str\), which does not fit "
+        r"the declared type bigint",
+    ):
+        read_map(session, spec, value_schema="flights LONG").collect()
+    with pytest.raises(Exception, match="'flights NOSUCHTYPE' is not a type this source reads"):
+        read_map(session, spec, value_schema="flights NOSUCHTYPE").collect()
+    # Any Spark type, as JSON.
+    nested = StructType([StructField("other", LongType())]).json()
+    assert read_map(session, spec, value_schema=nested).count() == 2
+    stream = session.readStream.format(FORMAT).options(**spark_options(spec)).load()
+    with pytest.raises(Exception, match="a stream of a pulsar-state map is its change feed"):
+        stream.writeStream.format("noop").start().awaitTermination(WAIT_S)
