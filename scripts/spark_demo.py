@@ -273,10 +273,13 @@ class Dashboard:
 
     def forget_last_commit(self) -> int:
         """What a driver crash between the map's write and Spark's commit log leaves behind:
-        the newest batch is in the map, and Spark's commit record of it is missing."""
+        Spark's newest planned batch is in the map, and Spark's commit record of it is
+        missing. Returns that batch (Spark runs it again on restart)."""
+        newest = max(
+            int(p.name) for p in (self.checkpoint / "offsets").iterdir() if p.name.isdigit()
+        )
         commits = self.checkpoint / "commits"
-        newest = max(int(p.name) for p in commits.iterdir() if p.name.isdigit())
-        (commits / str(newest)).unlink()
+        (commits / str(newest)).unlink(missing_ok=True)  # missing: stopped before its end
         (commits / f".{newest}.crc").unlink(missing_ok=True)
         return newest
 
@@ -390,14 +393,18 @@ def run_dashboard(
                 )
                 query = dashboard.start(threshold)
             elif not crashed and dashboard.last_batch() >= crash_after_batch:
-                crashed = True
                 query.stop()
-                replayed = dashboard.replayed = dashboard.forget_last_commit()
-                say(
-                    f"dashboard: simulated crash after the map took batch {replayed} and before "
-                    "Spark recorded it; restarting from the checkpoint (Spark runs it again; "
-                    "the map, which holds its batch id, ignores it)"
-                )
+                replayed = dashboard.forget_last_commit()
+                if dashboard.last_batch() >= replayed:
+                    crashed = True
+                    dashboard.replayed = replayed
+                    say(
+                        f"dashboard: simulated crash after the map took batch {replayed} and "
+                        "before Spark recorded it; restarting from the checkpoint (Spark runs "
+                        "it again; the map, which holds its batch id, ignores it)"
+                    )
+                else:  # stopped inside a batch that had not reached the map: crash after it
+                    crash_after_batch = replayed
                 query = dashboard.start(threshold)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the stream did not finish within {WAIT_S}s")
