@@ -379,6 +379,7 @@ def run_dashboard(
             if last > reported:
                 say(f"dashboard: batch {last} is in the map (threshold {dashboard.threshold} min)")
                 reported = last
+                deadline = time.monotonic() + WAIT_S  # a bound on a stall, not on the run
             alerts.ensure_running()
             if feeder.error is not None:
                 raise feeder.error
@@ -407,7 +408,7 @@ def run_dashboard(
                     crash_after_batch = replayed
                 query = dashboard.start(threshold)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the stream did not finish within {WAIT_S}s")
+                raise TimeoutError(f"the stream made no progress for {WAIT_S}s")
             time.sleep(0.5)
     finally:
         query.stop()
