@@ -267,6 +267,12 @@ class Dashboard:
             .start()
         )
 
+    def chunks_done(self) -> int:
+        """Half-months in the map. Not the batch count: after a restart Spark may plan the
+        pending files as fewer, larger batches (maxFilesPerTrigger holds only until then)."""
+        keys = get_map(self.spec).list_keys(latest=True)
+        return sum(1 for key in keys if key.startswith("chunk/"))
+
     def last_batch(self) -> int:
         last = self.sink.last_batch_id()
         return -1 if last is None else last
@@ -375,7 +381,8 @@ def run_dashboard(
     reported = -1
     deadline = time.monotonic() + WAIT_S
     try:
-        while (last := dashboard.last_batch()) < chunks - 1:
+        while dashboard.chunks_done() < chunks:
+            last = dashboard.last_batch()
             if last > reported:
                 say(f"dashboard: batch {last} is in the map (threshold {dashboard.threshold} min)")
                 reported = last
@@ -552,8 +559,6 @@ def summary(
     if total != len(flights):
         problems.append(f"{total:,} flights counted, {len(flights):,} in the data")
     last = dashboard.last_batch()
-    if last != chunks - 1:
-        problems.append(f"the sink's last batch is {last}, expected {chunks - 1}")
     replayed = dashboard.replayed
     if replayed is None or not (dashboard.checkpoint / "commits" / str(replayed)).exists():
         problems.append(f"Spark did not run the crashed batch {replayed} again")
