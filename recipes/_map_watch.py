@@ -154,12 +154,13 @@ class MapWatch(Generic[K, V]):
                         feed.delivered_position = event.position
                         return _detached(event)
                     if feed.error is not None:
-                        # Raised again on every call: drop the previous raise's traceback.
-                        raise feed.error.with_traceback(None)
+                        break  # raised below: the error may itself be a TimeoutError
                     feed.wake.clear()
                     await feed.wake.wait()
         except TimeoutError as exc:
             raise OperationTimeoutError(f"no change came within {timeout}s") from exc
+        # Raised again on every call: drop the previous raise's traceback.
+        raise feed.error.with_traceback(None)
 
     def __aiter__(self) -> MapWatch[K, V]:
         return self
@@ -195,6 +196,7 @@ class WatchHub(Generic[K, V]):
         self._manager = manager
         self._feeds: set[_Feed[K, V]] = set()
         self._sentinel: asyncio.Task[None] | None = None
+        self._started = False  # the manager is open (the sentinel's wait_for needs it)
 
     def open(
         self, accept: Callable[[MapEvent[K, V]], bool], *, snapshot: bool, max_queue: int
@@ -222,11 +224,21 @@ class WatchHub(Generic[K, V]):
         self._feeds.add(feed)
         if state.events is None:
             state.events = []
+        if self._started:
+            self._start_sentinel()
+        return MapWatch(feed, position)
+
+    def start(self) -> None:
+        """The map is open: watch for a halt (watches opened before open() waited for this)."""
+        self._started = True
+        if self._feeds:
+            self._start_sentinel()
+
+    def _start_sentinel(self) -> None:
         if self._sentinel is None:
             self._sentinel = asyncio.get_running_loop().create_task(
                 self._end_on_halt(), name=f"pulsar-map-watch-sentinel-{self._manager.topic}"
             )
-        return MapWatch(feed, position)
 
     async def _end_on_halt(self) -> None:
         while True:

@@ -44,6 +44,7 @@ from pulsar_state import (
     ConfigurationError,
     JsonCodec,
     ManagerStats,
+    PulsarStateError,
     ReplicaHaltedError,
     SharedStateManager,
     StrCodec,
@@ -210,6 +211,7 @@ class PulsarMap(Generic[K, V]):
             **manager_options,
         )
         self._watches = WatchHub(state, self._manager)
+        self._snapshots = snapshots
         self._opened = False
         self._closed = False
 
@@ -219,7 +221,15 @@ class PulsarMap(Generic[K, V]):
         """Connect and replay the topic up to its tail as of now."""
         if self._closed:
             raise ClosedError(f"map on {self.topic} is closed")
-        await self._manager.open(timeout=timeout)
+        try:
+            await self._manager.open(timeout=timeout)
+        except BaseException as exc:
+            # Watches opened before open() end with the failure instead of waiting forever.
+            failure = (
+                exc if isinstance(exc, PulsarStateError) else ClosedError(f"open failed: {exc!r}")
+            )
+            self._watches.fail_all(failure)
+            raise
         # Opening from a snapshot replaces the state object: every view reads the live one
         # (apply changes it in place from now on, so it stays the same object).
         live = self._manager.read_local(lambda state: state)
@@ -227,6 +237,7 @@ class PulsarMap(Generic[K, V]):
             self._state = live
             self._watches = WatchHub(live, self._manager)
         self._opened = True
+        self._watches.start()
 
     async def aclose(self, *, timeout: float = 10.0) -> None:
         """Close: end open watches (they raise ClosedError), release the writer, disconnect."""
@@ -728,8 +739,20 @@ class PulsarMap(Generic[K, V]):
         Up to ``max_queue`` changes wait for the consumer (the snapshot does not count); a
         consumer further behind gets :class:`~recipes.WatchOverflowError` from its next call,
         and the watch stops (open a new one to resynchronise). See :class:`MapWatch`.
+
+        History: called before :meth:`open` on a map without ``snapshots``, the watch starts
+        from the empty map at position 0, so it yields every change of the topic's history as
+        the opening replay applies it (the whole history waits in its queue until consumed:
+        size ``max_queue`` for it). A map with snapshots may skip history when it opens, so
+        it refuses this.
         """
-        self._check_usable()
+        if self._opened or self._closed:
+            self._check_usable()
+        elif self._snapshots:
+            raise ClosedError(
+                f"map on {self.topic} is not open: a map with snapshots only watches once open "
+                "(opening may load a snapshot and skip the history before it)"
+            )
         if key is not None and prefix is not None:
             raise ConfigurationError("watch one key or one prefix, not both")
         if max_queue < 1:

@@ -16,6 +16,14 @@ Install with the ``spark`` extra (PySpark 4.x). Four pieces, all built on
   write that carries the sink's id and the batch id; the map refuses a batch id it already
   holds, so a query restarted from its checkpoint never applies a batch twice.
 
+The ``pulsar-state`` data source (:mod:`recipes.spark.datasource`, which imports PySpark;
+``register(spark)`` then ``spark.read/readStream/writeStream.format("pulsar-state")``) offers
+the same maps through Spark's own reader and writer protocols: a map as a table at one log
+position, its change feed as a stream, and an exactly-once streaming writer (one atomic write
+per micro-batch, made by the driver's commit with the :class:`PulsarMapSink` marker). The
+``foreachBatch`` sink, :func:`map_dataframe` and :class:`SharedConfig` stay as the
+alternative for code that already has a DataFrame or a ``foreachBatch`` in hand.
+
 Fork safety: pulsar-client and the portal's event-loop thread do not survive ``fork`` (PySpark
 forks its Python workers). The cache is keyed by process: a forked child drops the entries it
 inherited, without closing them (closing would act on the parent's connections), and opens its

@@ -146,7 +146,7 @@ class PulsarMapSink:
         for rows already on the driver."""
         if isinstance(batch_id, bool) or not isinstance(batch_id, int) or batch_id < 0:
             raise ConfigurationError(f"batch_id must be an int >= 0, not {batch_id!r}")
-        updates = self._combine(rows)
+        updates = combine_rows(rows, self.mode, self.sink_id)
         marker = self.marker_key
         mode = self.mode
 
@@ -212,23 +212,27 @@ class PulsarMapSink:
             self.marker_key, timeout=timeout if timeout is not None else self.timeout
         )
 
-    def _combine(self, rows: Iterable[tuple[Any, Any]]) -> dict[Any, Any]:
-        updates: dict[Any, Any] = {}
-        for key, raw in rows:
-            if key is None:
-                raise ConfigurationError(f"a row of sink {self.sink_id!r} has a null key")
-            if isinstance(key, str) and key.startswith(SINK_MARKER_PREFIX):
-                raise ConfigurationError(f"key {key!r} is reserved for sink markers")
-            value = _plain(raw)
-            if self.mode == "add":
-                if value is not None:
-                    updates[key] = _add(updates.get(key), value, key)
-            else:
-                updates[key] = value
-        return updates
-
     def __repr__(self) -> str:
         return f"PulsarMapSink({self.sink_id!r}, topic={self.spec.topic!r}, mode={self.mode!r})"
+
+
+def combine_rows(rows: Iterable[tuple[Any, Any]], mode: SinkMode, sink_id: str) -> dict[Any, Any]:
+    """A batch's ``(key, value)`` rows as the updates of one write: values made JSON-friendly,
+    rows of one key added up (``"add"``) or the last one kept (``"replace"``). Refuses null
+    keys and keys under the markers' prefix."""
+    updates: dict[Any, Any] = {}
+    for key, raw in rows:
+        if key is None:
+            raise ConfigurationError(f"a row of sink {sink_id!r} has a null key")
+        if isinstance(key, str) and key.startswith(SINK_MARKER_PREFIX):
+            raise ConfigurationError(f"key {key!r} is reserved for sink markers")
+        value = plain_value(raw)
+        if mode == "add":
+            if value is not None:
+                updates[key] = _add(updates.get(key), value, key)
+        else:
+            updates[key] = value
+    return updates
 
 
 def _retriable(exc: BaseException) -> bool:
@@ -263,7 +267,7 @@ def _add(old: Any, delta: Any, key: Any) -> Any:
     )
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
     """A Spark value as a JSON-friendly Python value."""
     if value is None or isinstance(value, bool | int | float | str):
         return value
@@ -275,9 +279,9 @@ def _plain(value: Any) -> Any:
         return bytes(value)
     as_dict = getattr(value, "asDict", None)  # a pyspark Row (a struct)
     if callable(as_dict):
-        return {k: _plain(v) for k, v in as_dict().items()}
+        return {k: plain_value(v) for k, v in as_dict().items()}
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain_value(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [plain_value(v) for v in value]
     return value

@@ -12,9 +12,9 @@ import logging
 import os
 import pickle
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
 from pulsar_state import BlockingPortal, ClosedError, Codec, ConfigurationError, ReplicaHaltedError
 from recipes import PulsarMap, SyncPulsarMap
@@ -124,6 +124,13 @@ _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(MapSpec))
 # ---------------------------------------------------------------------------------- the cache
 
 
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+R = TypeVar("R", bound=_Closable)
+
+
 class _Cache:
     """This process's open maps, one per spec, sharing one portal (one event-loop thread)."""
 
@@ -133,8 +140,9 @@ class _Cache:
         # take minutes) must not hold up the callers of the others.
         self.lock = threading.Lock()
         self.maps: dict[str, SyncPulsarMap[Any, Any]] = {}
-        # One per spec: the first caller opens the map, the others wait for it.
+        # One per spec (or resource key): the first caller opens it, the others wait for it.
         self.opening: dict[str, threading.Lock] = {}
+        self.resources: dict[str, _Closable] = {}  # see cached_resource
         self.portal: BlockingPortal | None = None
 
 
@@ -181,9 +189,7 @@ def get_map(spec: MapSpec, *, timeout: float | None = None) -> SyncPulsarMap[Any
             cached = _usable(cache, spec)  # opened by another thread meanwhile
             if cached is not None:
                 return cached
-            if cache.portal is None:
-                cache.portal = BlockingPortal(name="pulsar-state-spark")
-            portal = cache.portal
+            portal = _portal_locked(cache)
         new = spec.new_map(portal=portal)
         try:
             new.open(timeout=timeout)
@@ -215,6 +221,34 @@ def _usable(cache: _Cache, spec: MapSpec) -> SyncPulsarMap[Any, Any] | None:
     return None
 
 
+def _portal_locked(cache: _Cache) -> BlockingPortal:
+    if cache.portal is None:
+        cache.portal = BlockingPortal(name="pulsar-state-spark")
+    return cache.portal
+
+
+def cached_resource(key: str, open_new: Callable[[BlockingPortal], R]) -> R:
+    """This process's resource under ``key``, made by ``open_new(portal)`` on first use (on
+    the portal the cached maps share). Cached like the maps: forgotten in a forked child,
+    closed by :func:`close_maps`."""
+    cache = _current_cache()
+    with cache.lock:
+        found = cache.resources.get(key)
+        if found is not None:
+            return cast(R, found)
+        opening = cache.opening.setdefault(f"resource:{key}", threading.Lock())
+    with opening:  # not the cache's lock: opening one (a replay) must not hold up the others
+        with cache.lock:
+            found = cache.resources.get(key)
+            if found is not None:
+                return cast(R, found)
+            portal = _portal_locked(cache)
+        new = open_new(portal)
+        with cache.lock:
+            cache.resources[key] = new
+        return new
+
+
 def _close_quietly(m: SyncPulsarMap[Any, Any]) -> None:
     try:
         m.close()
@@ -227,7 +261,13 @@ def close_maps() -> None:
     cache = _current_cache()
     with cache.lock:
         maps, cache.maps = list(cache.maps.values()), {}
+        resources, cache.resources = list(cache.resources.values()), {}
         portal, cache.portal = cache.portal, None
+    for resource in resources:
+        try:
+            resource.close()
+        except Exception as exc:  # best effort, as for the maps
+            logger.warning("closing %r failed: %s", resource, exc)
     for m in maps:
         _close_quietly(m)
     if portal is not None:

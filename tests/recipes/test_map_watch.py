@@ -228,3 +228,61 @@ async def test_watch_on_a_replica_that_halts_raises_after_the_good_events(
         assert (event.key, event.value) == ("ok", "fine")
         with pytest.raises(ReplicaHaltedError):
             await watch.next(timeout=WAIT_S)
+
+
+async def test_a_watch_opened_before_open_yields_the_whole_history(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with new_map(service_url, topic, admin_url) as writer:
+        live = writer.changes(snapshot=False)
+        await writer.put("a", 1)
+        await writer.put_all({"b": 2, "c": 3})
+        await writer.delete("a")
+        await writer.delete("a")  # absent: no change, but a record
+        await writer.clear()
+        await writer.put("d", 4)
+        seen_live = await drain(live, 1 + 2 + 1 + 1 + 1)
+        live.close()
+    history_map = new_map(service_url, topic, admin_url)
+    history = history_map.changes(max_queue=1000)
+    assert history.start_position == 0
+    await history_map.open()
+    try:
+        replayed = await drain(history, len(seen_live))
+        assert replayed == seen_live  # same kinds, keys, values, versions and positions
+        assert not any(event.initial for event in replayed)
+        await writer_put_after_open(history_map)
+        later = await history.next(timeout=WAIT_S)
+        assert later is not None
+        assert (later.kind, later.key, later.position) == ("put", "e", history_map.position)
+    finally:
+        await history_map.aclose()
+    with pytest.raises(ClosedError):
+        await history.next(timeout=WAIT_S)
+
+
+async def writer_put_after_open(m: PulsarMap[Any, Any]) -> None:
+    await m.put("e", 5)
+
+
+async def test_a_map_with_snapshots_refuses_a_watch_before_open(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    m = new_map(service_url, topic, admin_url, snapshots=True)
+    with pytest.raises(ClosedError, match="with snapshots only watches once open"):
+        m.changes()
+    await m.aclose()
+
+
+async def test_a_watch_opened_before_a_failed_open_ends_with_the_failure(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    m = new_map("pulsar://127.0.0.1:1", topic, admin_url, open_timeout_s=1.0)
+    watch = m.changes()
+    with pytest.raises(OperationTimeoutError, match="opening") as failed:
+        await m.open()
+    # The open's own error (itself a timeout: it must not read as "no change came").
+    with pytest.raises(OperationTimeoutError, match="opening") as ended:
+        await watch.next(timeout=WAIT_S)
+    assert ended.value is failed.value
+    await m.aclose()
