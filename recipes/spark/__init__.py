@@ -36,7 +36,13 @@ run by CI, checks it). Importing it does not import PySpark.
 
 from ._config import SharedConfig
 from ._dataframe import map_dataframe
-from ._sink import SINK_MARKER_PREFIX, PulsarMapSink, SinkMode, SinkResult
+from ._sink import (
+    SINK_MARKER_PREFIX,
+    PulsarMapSink,
+    SinkMode,
+    SinkOwnedByAnotherQueryError,
+    SinkResult,
+)
 from ._specs import MapSpec, close_maps, get_map
 
 __all__ = [
@@ -45,6 +51,7 @@ __all__ = [
     "PulsarMapSink",
     "SharedConfig",
     "SinkMode",
+    "SinkOwnedByAnotherQueryError",
     "SinkResult",
     "close_maps",
     "get_map",

@@ -23,7 +23,13 @@ from ._specs import MapSpec, get_map
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-__all__ = ["SINK_MARKER_PREFIX", "PulsarMapSink", "SinkMode", "SinkResult"]
+__all__ = [
+    "SINK_MARKER_PREFIX",
+    "PulsarMapSink",
+    "SinkMode",
+    "SinkOwnedByAnotherQueryError",
+    "SinkResult",
+]
 
 # Under the library's logger tree (README: Logging), as before the move into recipes.
 logger = logging.getLogger("pulsar_state.spark")
@@ -87,7 +93,11 @@ class PulsarMapSink:
 
     ``sink_id`` names the query's progress in the map: keep it with the checkpoint. A new
     query on a new checkpoint starts again from batch 0, so it needs a new sink id (or
-    :meth:`reset`).
+    :meth:`reset`). The marker is bound to the streaming query's id (stable across restarts
+    from one checkpoint, new with a new checkpoint): a batch of another query under the same
+    sink id raises :class:`SinkOwnedByAnotherQueryError` instead of being dropped as
+    "already applied". (:meth:`write_rows` called directly, with no ``query_id``, is not
+    checked.)
     """
 
     def __init__(
@@ -132,6 +142,7 @@ class PulsarMapSink:
 
     def write(self, batch: DataFrame, batch_id: int) -> SinkResult:
         """Upsert the rows of ``batch`` as micro-batch ``batch_id`` (see the class doc)."""
+        query_id = _streaming_query_id(batch)
         columns = self.value_columns if self.value_columns is not None else [self.value_column]
         rows = batch.select(self.key_column, *columns).collect()
         if self.value_columns is not None:
@@ -139,21 +150,30 @@ class PulsarMapSink:
             pairs = [(row[0], {n: row[i + 1] for i, n in enumerate(names)}) for row in rows]
         else:
             pairs = [(row[0], row[1]) for row in rows]
-        return self.write_rows(pairs, batch_id)
+        return self.write_rows(pairs, batch_id, query_id=query_id)
 
-    def write_rows(self, rows: Iterable[tuple[Any, Any]], batch_id: int) -> SinkResult:
+    def write_rows(
+        self, rows: Iterable[tuple[Any, Any]], batch_id: int, *, query_id: str | None = None
+    ) -> SinkResult:
         """Upsert ``(key, value)`` pairs as micro-batch ``batch_id``: the same as :meth:`write`
-        for rows already on the driver."""
+        for rows already on the driver. ``query_id``: the streaming query's id, checked
+        against (and bound to) the sink's marker; None checks nothing."""
         if isinstance(batch_id, bool) or not isinstance(batch_id, int) or batch_id < 0:
             raise ConfigurationError(f"batch_id must be an int >= 0, not {batch_id!r}")
         updates = combine_rows(rows, self.mode, self.sink_id)
         marker = self.marker_key
         mode = self.mode
+        sink_id = self.sink_id
 
         def fn(view: Mapping[Any, Any]) -> Mapping[Any, Any]:
-            last = view.get(marker)
-            if last is not None and (isinstance(last, bool) or not isinstance(last, int)):
-                raise ConfigurationError(f"{marker} holds {last!r}, not a batch id")
+            last, owner = _read_marker(marker, view.get(marker))
+            if query_id is not None and owner is not None and owner != query_id:
+                raise SinkOwnedByAnotherQueryError(
+                    f"sink {sink_id!r} holds the progress of streaming query {owner} (batch "
+                    f"{last}); this is query {query_id} (another query, or a new checkpoint), "
+                    "whose batches would be taken for applied ones and dropped. Use another "
+                    "sink_id, or reset() this sink if the old query is gone for good"
+                )
             if last is not None and last >= batch_id:
                 return {}  # this batch (or a later one) is already in the map
             changes: dict[Any, Any]
@@ -161,7 +181,8 @@ class PulsarMapSink:
                 changes = {k: _add(view.get(k), d, k) for k, d in updates.items()}
             else:
                 changes = dict(updates)
-            changes[marker] = batch_id
+            bound = query_id if query_id is not None else owner
+            changes[marker] = batch_id if bound is None else {"batch": batch_id, "query": bound}
             return changes
 
         m = get_map(self.spec, timeout=self.timeout)
@@ -204,7 +225,7 @@ class PulsarMapSink:
         value = get_map(self.spec, timeout=self.timeout).get(
             self.marker_key, latest=latest, timeout=timeout if timeout is not None else self.timeout
         )
-        return None if value is None else int(value)
+        return _read_marker(self.marker_key, value)[0]
 
     def reset(self, *, timeout: float | None = None) -> None:
         """Forget this sink's progress (for a new query on a new checkpoint)."""
@@ -233,6 +254,35 @@ def combine_rows(rows: Iterable[tuple[Any, Any]], mode: SinkMode, sink_id: str) 
         else:
             updates[key] = value
     return updates
+
+
+class SinkOwnedByAnotherQueryError(ConfigurationError):
+    """A sink id's marker belongs to another streaming query (or checkpoint)."""
+
+
+def _streaming_query_id(batch: DataFrame) -> str | None:
+    """The id of the streaming query running this foreachBatch (Spark sets it as a local
+    property of the micro-batch's thread); None outside a streaming query or without a
+    SparkContext (Spark Connect)."""
+    try:
+        query_id = batch.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
+    except Exception:  # no SparkContext here (Spark Connect)
+        return None
+    return str(query_id) if query_id else None
+
+
+def _read_marker(marker: str, value: Any) -> tuple[int | None, str | None]:
+    """(last batch id, owning query id) from a marker's value: None, an int (markers of
+    version 0.1, unbound) or ``{"batch": id, "query": query id}``."""
+    if value is None:
+        return None, None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, None
+    if isinstance(value, Mapping):
+        batch, query = value.get("batch"), value.get("query")
+        if isinstance(batch, int) and not isinstance(batch, bool) and isinstance(query, str):
+            return batch, query
+    raise ConfigurationError(f"{marker} holds {value!r}, not a batch id (nor a sink marker)")
 
 
 def _retriable(exc: BaseException) -> bool:

@@ -228,3 +228,12 @@ def test_restarted_query_does_not_double_count(
     }
     assert got == expected
     assert sum(v["flights"] for v in got.values()) == FLIGHTS
+
+    # A new query (a new checkpoint) under the same sink id starts again at batch 0: its
+    # batches would be taken for applied ones and dropped. It fails loudly instead.
+    fourth: list[SinkResult] = []
+    query = start_query(spark, source, tmp_path / "new-checkpoint", sink, fourth, None)
+    with pytest.raises(StreamingQueryException, match="another query, or a new checkpoint"):
+        query.awaitTermination(WAIT_S)
+    assert fourth == []
+    assert counted_flights(spec) == FLIGHTS
