@@ -56,6 +56,7 @@ from pulsar_state._manager import _secured_client_options
 from pulsar_state._pulsar import LogMessage, read_log
 
 from ._map_ops import MapVersion
+from ._map_watch import MapWatch
 from .map import PulsarMap
 
 __all__ = ["main"]
@@ -578,28 +579,59 @@ def load(settings: Settings, source: Any, chunk: int | None, replace: bool) -> N
 @click.option("--prefix", help="Only keys starting with this.")
 @click.option("--key", "one_key", help="Only this key.")
 @click.option("--no-initial", is_flag=True, help="Only changes, not the current entries first.")
+@click.option(
+    "--from",
+    "from_position",
+    type=click.IntRange(min=0),
+    help="Resume: only the changes after this position (a previous event's), from the log.",
+)
 @pass_settings
-def watch(settings: Settings, prefix: str | None, one_key: str | None, no_initial: bool) -> None:
-    """Print each change as a JSON line (the current entries first) until Ctrl-C."""
+def watch(
+    settings: Settings,
+    prefix: str | None,
+    one_key: str | None,
+    no_initial: bool,
+    from_position: int | None,
+) -> None:
+    """Print each change as a JSON line (the current entries first) until Ctrl-C.
 
-    async def work(state_map: PulsarMap[Any, Any]) -> None:
+    With --from P: the changes after position P (read from the topic's log), then live ones.
+    """
+
+    async def work() -> None:
         key = None if one_key is None else _parse(one_key, settings.key_codec, "key")
-        async with state_map.changes(
-            key=key, prefix=_prefix(settings, prefix), snapshot=not no_initial
-        ) as changes:
-            async for event in changes:
-                document = {
-                    "kind": event.kind,
-                    "key": _to_json(event.key),
-                    "value": _to_json(event.value),
-                    "position": event.position,
-                    "initial": event.initial,
-                }
-                _emit(_dumps(document))
-                sys.stdout.flush()
+        state_map = settings.open_map()
+        try:
+            if from_position is not None:
+                # Before open: from the first record its opening replay applies.
+                changes = state_map.changes(
+                    key=key, prefix=_prefix(settings, prefix), from_position=from_position
+                )
+                await state_map.open()
+            else:
+                await state_map.open()
+                changes = state_map.changes(
+                    key=key, prefix=_prefix(settings, prefix), snapshot=not no_initial
+                )
+            async with changes:
+                await emit_all(changes)
+        finally:
+            await state_map.aclose()
+
+    async def emit_all(changes: MapWatch[Any, Any]) -> None:
+        async for event in changes:
+            document = {
+                "kind": event.kind,
+                "key": _to_json(event.key),
+                "value": _to_json(event.value),
+                "position": event.position,
+                "initial": event.initial,
+            }
+            _emit(_dumps(document))
+            sys.stdout.flush()
 
     try:
-        asyncio.run(_with_map(settings, work))
+        asyncio.run(work())
     except KeyboardInterrupt:
         sys.exit(EXIT_OK)  # Ctrl-C is how a watch ends
     except BadInput as exc:

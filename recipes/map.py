@@ -727,6 +727,7 @@ class PulsarMap(Generic[K, V]):
         prefix: str | bytes | None = None,
         snapshot: bool = True,
         max_queue: int = 10_000,
+        from_position: int | None = None,
     ) -> MapWatch[K, V]:
         """Watch the map: a consistent snapshot, then every change in log order.
 
@@ -745,6 +746,13 @@ class PulsarMap(Generic[K, V]):
         the opening replay applies it (the whole history waits in its queue until consumed:
         size ``max_queue`` for it). A map with snapshots may skip history when it opens, so
         it refuses this.
+
+        ``from_position=p`` resumes a watch: no snapshot, and only the changes at positions
+        after ``p`` (an event's ``position``), the earlier ones not even queued. Before
+        :meth:`open` (a map without snapshots) that is any ``p``; on an open map, ``p`` must
+        not be behind the replica (it keeps no history): ConfigurationError otherwise. If
+        the topic's history before ``p`` was trimmed (``trim_history``), the opening replay
+        cannot pass the trimmed point and the watch ends with that error.
         """
         if self._opened or self._closed:
             self._check_usable()
@@ -757,6 +765,18 @@ class PulsarMap(Generic[K, V]):
             raise ConfigurationError("watch one key or one prefix, not both")
         if max_queue < 1:
             raise ConfigurationError("max_queue must be at least 1")
+        if from_position is not None:
+            if isinstance(from_position, bool) or not isinstance(from_position, int):
+                raise ConfigurationError(f"from_position must be an int, not {from_position!r}")
+            if from_position < 0:
+                raise ConfigurationError(f"from_position must be >= 0, not {from_position}")
+            if self._opened and from_position < self.position:
+                raise ConfigurationError(
+                    f"changes after position {from_position}: this replica is at "
+                    f"{self.position} and keeps no history; watch before open() (on a map "
+                    "without snapshots, whose opening replays the history) to resume there"
+                )
+            snapshot = False
         accept: Callable[[MapEvent[K, V]], bool]
         if key is not None:
             watched = self._codecs.key(key)[0]
@@ -779,6 +799,12 @@ class PulsarMap(Generic[K, V]):
 
             def accept(event: MapEvent[K, V]) -> bool:
                 return True
+
+        if from_position is not None:
+            after, matches = from_position, accept
+
+            def accept(event: MapEvent[K, V]) -> bool:
+                return event.position > after and matches(event)
 
         return self._watches.open(accept, snapshot=snapshot, max_queue=max_queue)
 

@@ -299,6 +299,38 @@ def test_watch_prints_json_lines_and_ends_on_ctrl_c(broker: Broker, topic: str) 
             watcher.wait()
 
 
+def test_watch_resumes_from_a_position(broker: Broker, topic: str) -> None:
+    for args in (("put", "a", "1"), ("put", "b", "2"), ("del", "a"), ("put", "c", "3")):
+        ok(pulsar_state(broker, topic, *args))  # positions 1 to 4
+    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
+    env["PULSAR_ADMIN_URL"] = broker.admin_url
+    watcher = subprocess.Popen(
+        [str(COMMAND), "-t", topic, "watch", "--from", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert watcher.stdout is not None
+        got = [json.loads(watcher.stdout.readline()) for _ in range(2)]
+        assert got == [
+            {"kind": "delete", "key": "a", "value": None, "position": 3, "initial": False},
+            {"kind": "put", "key": "c", "value": 3, "position": 4, "initial": False},
+        ]
+        ok(pulsar_state(broker, topic, "put", "d", "4"))  # then live changes
+        assert json.loads(watcher.stdout.readline())["position"] == 5
+        watcher.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=60) == 0
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+    refused = pulsar_state(broker, topic, "watch", "--from", "-1")
+    assert refused.returncode == 2
+    assert "--from" in refused.stderr
+
+
 def test_snapshot_take_of_a_map(broker: Broker, topic: str) -> None:
     ok(pulsar_state(broker, topic, "put", "a", "1"))
     ok(pulsar_state(broker, topic, "put", "b", "2"))

@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import BytesCodec, ClosedError, OperationTimeoutError, ReplicaHaltedError
+from pulsar_state import (
+    BytesCodec,
+    ClosedError,
+    ConfigurationError,
+    OperationTimeoutError,
+    ReplicaHaltedError,
+)
 from recipes import MapEvent, MapWatch, PulsarMap, WatchOverflowError
 from tests.recipes.helpers import WAIT_S, new_map
 
@@ -286,3 +292,33 @@ async def test_a_watch_opened_before_a_failed_open_ends_with_the_failure(
         await watch.next(timeout=WAIT_S)
     assert ended.value is failed.value
     await m.aclose()
+
+
+async def test_a_watch_resumes_from_a_position(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with new_map(service_url, topic, admin_url) as writer:
+        await writer.put("a", 1)
+        await writer.put("b", 2)
+        await writer.delete("a")
+        await writer.put("c", 3)
+        with pytest.raises(ConfigurationError, match="keeps no history"):
+            writer.changes(from_position=1)  # open, at 4: no history kept
+        with pytest.raises(ConfigurationError, match=">= 0"):
+            writer.changes(from_position=-1)
+        ahead = writer.changes(from_position=writer.position)  # nothing missed: allowed
+        await writer.put("d", 4)
+        [event] = await drain(ahead, 1)
+        assert (event.kind, event.key, event.position) == ("put", "d", 5)
+        ahead.close()
+    resumed_map = new_map(service_url, topic, admin_url)
+    # max_queue=3: the 2 changes up to position 2 are not even queued (5 would overflow).
+    resumed = resumed_map.changes(prefix="", from_position=2, max_queue=3)
+    async with resumed_map:
+        got = await drain(resumed, 3)
+    assert [(e.kind, e.key, e.position) for e in got] == [
+        ("delete", "a", 3),
+        ("put", "c", 4),
+        ("put", "d", 5),
+    ]
+    assert not any(e.initial for e in got)
