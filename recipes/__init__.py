@@ -12,7 +12,7 @@
 """
 
 from ._lease_table import Lease, LeaseEvent, NotHeldError, StaleTokenError, UnknownResourceError
-from ._map_ops import MapEntry, MapEvent, MapVersion
+from ._map_ops import FrozenDict, FrozenList, MapEntry, MapEvent, MapVersion, thaw
 from ._map_sync import SyncMapWatch, SyncPulsarMap
 from ._map_watch import MapWatch, WatchOverflowError
 from ._ownership_sync import SyncOwnership
@@ -27,6 +27,8 @@ from .ownership import Ownership
 __all__ = [
     "Counter",
     "EventStream",
+    "FrozenDict",
+    "FrozenList",
     "Leader",
     "LeaderElection",
     "Lease",
@@ -51,4 +53,5 @@ __all__ = [
     "fence_key",
     "fenced_transact",
     "sync_fenced_transact",
+    "thaw",
 ]
