@@ -30,6 +30,7 @@ import pulsar.asyncio as pulsar_asyncio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.scale import map_scale  # noqa: E402
 from pulsar_state import JsonCodec, SharedStateManager  # noqa: E402
 from pulsar_state.testing import Broker, provide_broker  # noqa: E402
 from recipes import PulsarMap  # noqa: E402
@@ -503,6 +504,7 @@ async def run(broker: Broker, quick: bool, only: set[str] | None) -> list[Metric
         ("snapshot", snapshot_open),
         ("acquisition", acquisition),
         ("writers", multi_writers),
+        ("scale", lambda b, quick: map_scale(b, quick, Metric)),
     ]
     metrics: list[Metric] = []
     for key, suite in suites:
@@ -574,12 +576,19 @@ def main() -> int:
     finally:
         broker.stop()
     print(table(metrics))
+    rows = [asdict(m) for m in metrics]
+    out = Path(args.out)
+    if args.only and out.exists():
+        # A partial run updates its own rows and keeps the others of the last full run.
+        fresh = {row["name"] for row in rows}
+        kept = [row for row in json.loads(out.read_text())["metrics"] if row["name"] not in fresh]
+        rows = kept + rows
     result = {
         "mode": "quick" if args.quick else "full",
         "environment": environment(),
-        "metrics": [asdict(m) for m in metrics],
+        "metrics": rows,
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0
 

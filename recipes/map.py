@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, Generic, TypeVar, cast, overload
 
@@ -225,8 +226,16 @@ class PulsarMap(Generic[K, V]):
         self._watches = WatchHub(state, self._manager)
         self._opened = False
         self._closed = False
-        self._codecs.on_unfrozen = self._serve_local_checked
-        self._manager.add_halt_listener(lambda _error: self._serve_local_checked())
+        # Weakly: the manager's running tasks must not keep a dropped map alive.
+        this = weakref.ref(self)
+
+        def serve_local_checked(*_error: object) -> None:
+            found = this()
+            if found is not None:
+                found._serve_local_checked()
+
+        self._codecs.on_unfrozen = serve_local_checked
+        self._manager.add_halt_listener(serve_local_checked)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -363,8 +363,11 @@ async def test_lifecycle_errors(service_url: str, admin_url: str, topic: str) ->
         await m.get("a")
     with pytest.raises(ClosedError):
         len(m)
+    with pytest.raises(ClosedError):
+        m.get_local("a")
     async with m:
         await m.put("a", 1)
+        assert m.get_local("a") == 1
         assert m.position == 1
         assert m.stats.writes_committed == 1
         assert m.manager.position == 1
@@ -373,6 +376,41 @@ async def test_lifecycle_errors(service_url: str, admin_url: str, topic: str) ->
         await m.put("a", 2)
     with pytest.raises(ClosedError):
         "a" in m  # noqa: B015
+    with pytest.raises(ClosedError):
+        m.get_local("a")
+
+
+class Box:
+    """A value type that cannot be frozen: readers must get copies of it."""
+
+    def __init__(self, items: list[int]) -> None:
+        self.items = items
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Box) and other.items == self.items
+
+
+class BoxCodec:
+    def encode(self, value: Box) -> bytes:
+        return bytes(value.items)
+
+    def decode(self, data: bytes) -> Box:
+        return Box(list(data))
+
+
+async def test_values_that_cannot_be_frozen_are_read_as_copies(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    m: PulsarMap[str, Box] = PulsarMap(
+        service_url, topic, admin_url=admin_url, value_codec=BoxCodec()
+    )
+    async with m:
+        await m.put("b", Box([1]))
+        for read in (m.get_local("b"), await m.get("b"), m.values()[0], m.items()[0][1]):
+            assert read is not None
+            read.items.append(99)
+        assert m.get_local("b") == Box([1])
+        assert (await m.get("b")) == Box([1])
 
 
 async def test_map_opened_from_a_snapshot_reads_the_loaded_state_everywhere(
