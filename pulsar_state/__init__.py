@@ -29,6 +29,7 @@ from ._errors import (
     WriterBusyError,
 )
 from ._manager import SharedStateManager
+from ._overlay import DictOverlay
 from ._pulsar import LogPosition
 from ._sync import BlockingPortal, SyncFacade, SyncSharedStateManager, backstop
 from ._types import STATE_MACHINE_OPTIONS, AppliedRecord, ManagerStats, ReplayProgress, WriteResult
@@ -49,6 +50,7 @@ __all__ = [
     "CodecError",
     "ConfigurationError",
     "CorruptRecordError",
+    "DictOverlay",
     "FencedError",
     "ForkedHistoryError",
     "JsonCodec",

@@ -1,4 +1,4 @@
-"""The user's state machine: ``apply``, ``begin_record``, ``copy_state`` and the op codec.
+"""The user's state machine: ``apply``, ``begin_record``, the trial state and the op codec.
 
 Every place that changes a state (the replica's pump, the writer's trial run, rebuilding a
 trial state after a failed write) goes through :meth:`StateMachine.apply_write`, so all of them
@@ -7,18 +7,58 @@ run ``begin_record`` and the ops in exactly the same way.
 
 from __future__ import annotations
 
+import copy
+import datetime
+import decimal
+import uuid
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar, cast
 
 from ._codecs import Codec
 from ._envelope import Record
 from ._errors import ApplyError, CodecError, CorruptRecordError
+from ._overlay import DictOverlay
 from ._pulsar import LogPosition
 
-__all__ = ["MutatedInPlaceError", "StateMachine"]
+__all__ = ["DEFAULT_COPY", "MutatedInPlaceError", "StateMachine"]
 
 S = TypeVar("S")
 Op = TypeVar("Op")
+
+
+class _DefaultCopy:
+    """The default of ``copy_state``: an overlay for a plain dict state, else ``deepcopy``."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT_COPY"
+
+
+DEFAULT_COPY: Final[Any] = _DefaultCopy()
+
+# Values that nothing can change in place: an overlay shares them instead of copying them.
+_IMMUTABLE_TYPES = frozenset(
+    {
+        str,
+        bytes,
+        int,
+        float,
+        complex,
+        bool,
+        type(None),
+        decimal.Decimal,
+        uuid.UUID,
+        datetime.date,
+        datetime.datetime,
+        datetime.time,
+        datetime.timedelta,
+    }
+)
+
+
+def _private_copy(value: Any) -> Any:
+    # What the default overlay does to a value read from the live dict: apply may change it
+    # in place (append to a list), so the trial works on its own copy of that value only.
+    return value if type(value) in _IMMUTABLE_TYPES else copy.deepcopy(value)
 
 
 class MutatedInPlaceError(Exception):
@@ -36,16 +76,41 @@ class StateMachine(Generic[S, Op]):
         *,
         copy_state: Callable[[S], S] | None,
         begin_record: Callable[[S, int], S | None] | None,
+        trial_state: Callable[[S], S] | None = None,
     ) -> None:
         self._apply = apply
         self._codec = codec
         self._copy_state = copy_state
+        self._trial_state = trial_state
         self._begin_record = begin_record
+        # Without copy_state or trial_state, ``apply`` promises never to mutate its input.
+        self._pure = trial_state is None and copy_state is None
 
     def trial_copy(self, state: S) -> S:
-        """A state the writer may change without touching ``state`` (itself when
-        ``copy_state`` is None: then ``apply`` promises never to mutate its input)."""
-        return self._copy_state(state) if self._copy_state is not None else state
+        """A state the writer may change without touching ``state``, discarded after the
+        trial run: ``trial_state(state)`` if given, else ``copy_state(state)``; by default a
+        :class:`DictOverlay` over a plain dict state (each value copied when first read) and
+        a deep copy of any other state; ``state`` itself when ``copy_state`` is None."""
+        if self._trial_state is not None:
+            return self._trial_state(state)
+        return self._copy(state, trial=True)
+
+    def full_copy(self, state: S) -> S:
+        """An independent copy of ``state`` that may outlive the trial (a snapshot encodes it
+        in another thread while the live state changes): ``copy_state`` (deepcopy by
+        default); ``state`` itself when ``copy_state`` is None (never mutated)."""
+        return self._copy(state, trial=False)
+
+    def _copy(self, state: S, *, trial: bool) -> S:
+        copy_state = self._copy_state
+        if copy_state is None:
+            return state
+        if copy_state is DEFAULT_COPY:
+            if trial and type(state) is dict:
+                overlay: Any = DictOverlay(cast(dict[Any, Any], state), copy_value=_private_copy)
+                return cast(S, overlay)
+            return copy.deepcopy(state)
+        return copy_state(state)
 
     def apply_write(
         self, state: S, ops: Sequence[Op], *, begins: int | None = None, trial: bool = False
@@ -69,7 +134,7 @@ class StateMachine(Generic[S, Op]):
                 raise ApplyError(f"apply raised on op {op!r}: {type(exc).__name__}: {exc}") from exc
             if new_state is not None:
                 state = new_state
-            elif trial and self._copy_state is None:
+            elif trial and self._pure:
                 raise MutatedInPlaceError(
                     "apply returned None (mutated the state in place) but copy_state=None "
                     "promises apply never mutates its input; pass copy_state (default "

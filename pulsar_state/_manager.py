@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import logging
 import os
 import uuid
@@ -41,8 +40,9 @@ from ._errors import (
     ConfigurationError,
     OperationTimeoutError,
     PulsarStateError,
+    ReplicaHaltedError,
 )
-from ._machine import StateMachine
+from ._machine import DEFAULT_COPY, StateMachine
 from ._pending import PendingWrites
 from ._pulsar import PulsarConnection, client_authentication
 from ._records import RecordBuilder
@@ -169,8 +169,25 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         apply: ``apply(state, op)`` mutates ``state`` in place (return None) or returns the new
             state. It must be deterministic: every replica runs it on the same ops.
         codec: encodes ops to bytes and back (default JSON).
-        copy_state: copies the state for the writer's trial run of generators and ops
-            (default ``copy.deepcopy``). Pass ``None`` when ``apply`` never mutates its input.
+        copy_state: an independent copy of the state. The writer runs a batch's generators
+            and ops on a *trial state* and throws it away (every replica, the writer's own
+            included, applies the records it reads back to its live state), so the trial
+            state must never change the live one. ``copy_state`` makes it when
+            ``trial_state`` is not given, and copies the state for a snapshot (encoded in a
+            thread). Default: a trial run on a plain ``dict`` state uses a
+            :class:`DictOverlay` over it (it records the keys a batch changes and copies a
+            value only when the batch reads it: O(what the batch touches), not O(state));
+            any other state, and snapshots, get ``copy.deepcopy``. Pass ``copy.deepcopy``
+            to deep-copy for every batch as before, or ``None`` when ``apply`` never mutates
+            its input (then neither copy is made).
+        trial_state: ``trial_state(state)`` returns a cheap copy-on-write view of ``state``
+            for the writer's trial run: reads see ``state``, changes (through ``apply`` and
+            ``begin_record``) stay in the view, and ``state`` is never changed (it does not
+            change while the view is in use; the view is discarded right after). Applying
+            ops to the view must give what applying them to ``state`` gives. For example
+            ``DictOverlay`` (for a dict whose values ``apply`` replaces, never changes in
+            place), or a state class's own overlay. When given, ``copy_state`` is used for
+            snapshots only.
         begin_record: ``begin_record(state, position)`` runs before the ops of each accepted
             record, with the position that record gets (1 for the first): for states that
             stamp versions. Runs on the writer's trial state too, with the same position.
@@ -228,8 +245,9 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         initial_state: Callable[[], S],
         apply: Callable[[S, Op], S | None],
         codec: Codec[Op] | None = None,
-        copy_state: Callable[[S], S] | None = copy.deepcopy,
+        copy_state: Callable[[S], S] | None = DEFAULT_COPY,
         begin_record: Callable[[S, int], S | None] | None = None,
+        trial_state: Callable[[S], S] | None = None,
         admin_url: str | None = None,
         on_corrupt: OnCorrupt = "halt",
         check_topic: bool = True,
@@ -309,6 +327,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             codec if codec is not None else JsonCodec(),
             copy_state=copy_state,
             begin_record=begin_record,
+            trial_state=trial_state,
         )
         self._pending = PendingWrites(self._context)
         self._replica: Replica[S, Op] = Replica(
@@ -442,7 +461,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
                     store,
                     codec,
                     replica,
-                    self._machine.trial_copy,
+                    self._machine.full_copy,
                     load=self._load_snapshot,
                     trim_log=self._tail.trim_through if self._trim_history else None,
                     keep_snapshots=self._keep_snapshots,
@@ -574,6 +593,21 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         snapshot followed by every later change.
         """
         return self._replica.add_listener(listener)
+
+    def add_halt_listener(
+        self, listener: Callable[[ReplicaHaltedError], None]
+    ) -> Callable[[], None]:
+        """Call ``listener`` once when this replica halts (on the event loop, with the error
+        every later call raises); returns an unsubscribe. For views that serve reads without
+        a call into the manager and must stop doing so at a halt."""
+        hooks = self._replica.on_halt
+        hooks.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in hooks:
+                hooks.remove(listener)
+
+        return unsubscribe
 
     async def read(
         self, reader: Callable[[S], T], *, latest: bool = False, timeout: float | None = None

@@ -143,4 +143,6 @@ class ManagerStats:
 
 # The options that define a manager's state machine: a recipe that brings its own machine
 # sets these itself and refuses them from its callers.
-STATE_MACHINE_OPTIONS = frozenset({"initial_state", "apply", "codec", "copy_state", "begin_record"})
+STATE_MACHINE_OPTIONS = frozenset(
+    {"initial_state", "apply", "codec", "copy_state", "trial_state", "begin_record"}
+)

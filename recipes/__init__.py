@@ -13,7 +13,7 @@
 
 from ._lease_sync import SyncEventStream, SyncLeaderElection, SyncMembership
 from ._lease_table import Lease, LeaseEvent, NotHeldError, StaleTokenError, UnknownResourceError
-from ._map_ops import MapEntry, MapEvent, MapVersion
+from ._map_ops import FrozenDict, FrozenList, MapEntry, MapEvent, MapVersion, thaw
 from ._map_sync import SyncMapWatch, SyncPulsarMap
 from ._map_watch import MapWatch, WatchOverflowError
 from ._ownership_sync import SyncOwnership
@@ -28,6 +28,8 @@ from .ownership import Ownership
 __all__ = [
     "Counter",
     "EventStream",
+    "FrozenDict",
+    "FrozenList",
     "Leader",
     "LeaderElection",
     "Lease",
@@ -55,4 +57,5 @@ __all__ = [
     "fence_key",
     "fenced_transact",
     "sync_fenced_transact",
+    "thaw",
 ]

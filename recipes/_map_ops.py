@@ -7,20 +7,26 @@ replica and on the writer's trial state, so it is deterministic and never does I
 from __future__ import annotations
 
 import copy
+import datetime
+import decimal
 import io
 import struct
-from bisect import bisect_left
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar, cast
+from typing import Any, Generic, Literal, NoReturn, TypeVar, cast
 
 import fastavro
+from sortedcontainers import SortedKeyList, SortedList
 
-from pulsar_state import AvroCodec, Codec, CodecError
+from pulsar_state import AvroCodec, Codec, CodecError, DictOverlay
 
 __all__ = [
     "KEY_TYPES",
     "EventKind",
+    "FrozenDict",
+    "FrozenList",
+    "KeyOrder",
     "MapCodecs",
     "MapEntry",
     "MapEvent",
@@ -30,7 +36,10 @@ __all__ = [
     "MapState",
     "MapVersion",
     "detached",
+    "freeze",
     "key_order",
+    "readable",
+    "thaw",
 ]
 
 K = TypeVar("K")
@@ -54,16 +63,267 @@ def key_order(key: Any) -> tuple[int, Any]:
     return (_KEY_RANK[type(key)], key)
 
 
-_IMMUTABLE_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
+def sort_keys(keys: list[K]) -> list[K]:
+    """``keys`` in the map's key order."""
+    try:
+        return sorted(keys)  # type: ignore[type-var]
+    except TypeError:  # mixed key types: rank them
+        return sorted(keys, key=key_order)
+
+
+class KeyOrder(Generic[K]):
+    """The keys of a map in key order, kept as keys come and go: O(log n) per change, so an
+    ordered read costs O(log n + k) instead of a sort of every key after each insert.
+
+    One key type (the usual case) is kept by its own ``<``; a second type switches to
+    :func:`key_order`.
+    """
+
+    __slots__ = ("_keys", "_mixed", "_type")
+
+    def __init__(self, keys: Iterable[K] = ()) -> None:
+        listed = list(keys)
+        types = {type(key) for key in listed}
+        self._type: type | None = next(iter(types)) if len(types) == 1 else None
+        self._mixed = len(types) > 1
+        self._keys: Any = (
+            SortedKeyList(listed, key=key_order) if self._mixed else SortedList(listed)
+        )
+
+    def copy(self) -> KeyOrder[K]:
+        copied: KeyOrder[K] = KeyOrder()
+        copied._type, copied._mixed, copied._keys = self._type, self._mixed, self._keys.copy()
+        return copied
+
+    def add(self, key: K) -> None:
+        if not self._mixed and type(key) is not self._type:
+            if self._type is None and not self._keys:
+                self._type = type(key)
+            else:
+                self._keys = SortedKeyList(self._keys, key=key_order)
+                self._mixed = True
+        self._keys.add(key)
+
+    def remove(self, key: K) -> None:
+        self._keys.remove(key)
+
+    def clear(self) -> None:
+        self._keys, self._type, self._mixed = SortedList(), None, False
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def between(self, low: Any, high: Any) -> Iterator[K]:
+        """The keys with ``low <= key < high`` (None: unbounded), in key order."""
+        keys = self._keys
+        if self._mixed:
+            return iter(
+                keys.irange_key(
+                    None if low is None else key_order(low),
+                    None if high is None else key_order(high),
+                    inclusive=(True, False),
+                )
+            )
+        if self._type is None:
+            return iter(())
+        # One key type: a bound of another type falls before or after every key.
+        rank = _KEY_RANK[self._type]
+        if low is not None and type(low) is not self._type:
+            if _KEY_RANK[type(low)] > rank:
+                return iter(())
+            low = None
+        if high is not None and type(high) is not self._type:
+            if _KEY_RANK[type(high)] < rank:
+                return iter(())
+            high = None
+        return iter(keys.irange(low, high, inclusive=(True, False)))
+
+
+# Values nothing can change in place: handed out as they are.
+_IMMUTABLE_TYPES = frozenset(
+    {
+        str,
+        bytes,
+        int,
+        float,
+        bool,
+        type(None),
+        decimal.Decimal,
+        uuid.UUID,
+        datetime.date,
+        datetime.datetime,
+        datetime.time,
+        datetime.timedelta,
+    }
+)
+
+_READ_ONLY = (
+    "a value read from a PulsarMap is read-only (shared with the replica); "
+    "copy.deepcopy(value) or recipes.thaw(value) gives a mutable copy"
+)
+
+
+def _refuse(*args: Any, **kwargs: Any) -> NoReturn:
+    raise TypeError(_READ_ONLY)
+
+
+class FrozenDict(dict[Any, Any]):
+    """A read-only ``dict``: how a PulsarMap hands out the objects its values hold (JSON
+    objects, Avro records and maps). It is a dict (``isinstance``, ``==``, ``json.dumps``,
+    Spark rows), but every change raises ``TypeError``. ``copy.deepcopy``, ``pickle`` and
+    :func:`thaw` give plain, mutable dicts and lists; ``dict(value)`` a mutable shallow copy.
+    """
+
+    __slots__ = ()
+
+    def __setitem__(self, key: Any, value: Any) -> NoReturn:
+        _refuse()
+
+    def __delitem__(self, key: Any) -> NoReturn:
+        _refuse()
+
+    def __ior__(self, other: Any) -> NoReturn:  # type: ignore[misc]
+        _refuse()
+
+    def clear(self) -> NoReturn:
+        _refuse()
+
+    def pop(self, *args: Any) -> NoReturn:
+        _refuse()
+
+    def popitem(self) -> NoReturn:
+        _refuse()
+
+    def setdefault(self, *args: Any) -> NoReturn:
+        _refuse()
+
+    def update(self, *args: Any, **kwargs: Any) -> NoReturn:
+        _refuse()
+
+    def __copy__(self) -> dict[Any, Any]:
+        return dict(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[Any, Any]:
+        return thaw(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (thaw(self),))
+
+    def __repr__(self) -> str:
+        return f"FrozenDict({dict.__repr__(self)})"
+
+
+class FrozenList(list[Any]):
+    """A read-only ``list``: how a PulsarMap hands out the arrays its values hold (see
+    :class:`FrozenDict`: a list for every read, but every change raises ``TypeError``)."""
+
+    __slots__ = ()
+
+    def __setitem__(self, index: Any, value: Any) -> NoReturn:
+        _refuse()
+
+    def __delitem__(self, index: Any) -> NoReturn:
+        _refuse()
+
+    def __iadd__(self, other: Any) -> NoReturn:  # type: ignore[misc]
+        _refuse()
+
+    def __imul__(self, other: Any) -> NoReturn:  # type: ignore[misc]
+        _refuse()
+
+    def append(self, value: Any) -> NoReturn:
+        _refuse()
+
+    def extend(self, values: Any) -> NoReturn:
+        _refuse()
+
+    def insert(self, index: Any, value: Any) -> NoReturn:
+        _refuse()
+
+    def pop(self, *args: Any) -> NoReturn:
+        _refuse()
+
+    def remove(self, value: Any) -> NoReturn:
+        _refuse()
+
+    def clear(self) -> NoReturn:
+        _refuse()
+
+    def sort(self, *args: Any, **kwargs: Any) -> NoReturn:
+        _refuse()
+
+    def reverse(self) -> NoReturn:
+        _refuse()
+
+    def __copy__(self) -> list[Any]:
+        return list(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> list[Any]:
+        return thaw(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (thaw(self),))
+
+    def __repr__(self) -> str:
+        return f"FrozenList({list.__repr__(self)})"
+
+
+# Values a reader may share with the state: immutable, or frozen all the way down.
+_SHAREABLE_TYPES = _IMMUTABLE_TYPES | {FrozenDict, FrozenList}
+
+
+class _Unfreezable(Exception):
+    pass
+
+
+def _freeze(value: Any) -> Any:
+    kind = type(value)
+    if kind in _SHAREABLE_TYPES:
+        return value
+    if kind is dict:
+        return FrozenDict({key: _freeze(item) for key, item in value.items()})
+    if kind is list:
+        return FrozenList([_freeze(item) for item in value])
+    if kind is tuple:
+        return tuple(_freeze(item) for item in value)
+    raise _Unfreezable
+
+
+def freeze(value: V) -> tuple[V, bool]:
+    """``value`` made read-only (its dicts and lists as :class:`FrozenDict` and
+    :class:`FrozenList`), and True; or ``value`` itself and False when it holds an object of
+    another kind, which readers then get a deep copy of."""
+    try:
+        return _freeze(value), True
+    except _Unfreezable:
+        return value, False
+
+
+def thaw(value: V) -> V:
+    """A mutable deep copy of a value read from a map (plain dicts and lists)."""
+    kind = type(value)
+    if kind is FrozenDict or kind is dict:
+        return cast(V, {key: thaw(item) for key, item in cast(dict[Any, Any], value).items()})
+    if kind is FrozenList or kind is list:
+        return cast(V, [thaw(item) for item in cast(list[Any], value)])
+    if kind in _IMMUTABLE_TYPES:
+        return value
+    return copy.deepcopy(value)
+
+
+def readable(value: V) -> V:
+    """A stored value as readers get it: itself when nothing can change it (immutable, or
+    frozen), else a deep copy, so that a reader can never change the replica's state."""
+    return value if type(value) in _SHAREABLE_TYPES else copy.deepcopy(value)
 
 
 def detached(value: V) -> V:
-    """A copy of a stored value that the caller may keep and change.
-
-    Stored values are shared by the replica's state and the writer's trial copies, so they must
-    never be changed in place; every value handed out goes through here.
-    """
-    return value if type(value) in _IMMUTABLE_TYPES else copy.deepcopy(value)
+    """A mutable copy of a stored value that the caller may keep and change (what ``update``
+    functions and the ``transact`` view get)."""
+    return thaw(value)
 
 
 # Bits of a version below its position: the index of the op within its record. A record holds
@@ -179,6 +439,11 @@ class MapCodecs(Generic[K, V]):
     def __init__(self, keys: Codec[K], values: Codec[V]) -> None:
         self.keys = keys
         self.values = values
+        # True while every value decoded so far could be frozen (readers may then share
+        # stored values); the first that cannot turns it off for good and calls
+        # ``on_unfrozen``.
+        self.all_frozen = True
+        self.on_unfrozen: Callable[[], None] = lambda: None
 
     def key(self, key: K) -> tuple[K, bytes]:
         """The normalised key and its bytes; CodecError if it is not a valid key."""
@@ -206,7 +471,12 @@ class MapCodecs(Generic[K, V]):
         value = self.values.decode(data)
         if value is None:
             raise CodecError("a stored value decoded to None, which means 'absent'")
-        return value
+        # Frozen once here, so that reads hand the stored value out without a copy.
+        frozen, ok = freeze(value)
+        if not ok and self.all_frozen:
+            self.all_frozen = False
+            self.on_unfrozen()
+        return frozen
 
     def put(self, key: K, value: V, *, tag: bytes | None = None) -> MapOp[K, V]:
         """A PUT op from caller input (both normalised here, so bad input fails now)."""
@@ -276,23 +546,28 @@ class MapOpCodec(Generic[K, V]):
 class MapState(Generic[K, V]):
     """The replicated state: ``entries`` maps each key to an immutable :class:`MapEntry`.
 
-    Entries are never mutated, only replaced, so a shallow copy (:meth:`copy`) is a correct and
-    cheap trial state for the writer. ``position`` is the position of the record being applied
-    (set by :meth:`begin`) and ``op_index`` the number of its ops applied so far: together they
-    stamp versions, the same on the writer's trial state and on every replica. ``events``
-    collects the changes of the current record for watches; it is None on trial copies and
-    when nobody watches.
+    ``values`` maps each key to the same (frozen) value, so that a local read is one dict
+    lookup, and ``order`` keeps the keys in key order. ``position`` is the position of the
+    record being applied (set by :meth:`begin`) and ``op_index`` the number of its ops applied
+    so far: together they stamp versions, the same on the writer's trial state and on every
+    replica. ``events`` collects the changes of the current record for watches; it is None on
+    trial states and when nobody watches.
+
+    The writer's trial state is :meth:`trial`: an overlay over this state (O(1) to make,
+    O(what a batch changes) to use) that never changes it.
     """
 
-    __slots__ = ("_sorted", "entries", "events", "last_tag", "op_index", "position")
+    __slots__ = ("_order", "entries", "events", "last_tag", "op_index", "position", "values")
 
     def __init__(self) -> None:
-        self.entries: dict[K, MapEntry[V]] = {}
+        self.entries: MutableMapping[K, MapEntry[V]] = {}
+        self.values: MutableMapping[K, V] = {}
         self.position = 0
         self.op_index = 0
         self.last_tag: bytes | None = None
         self.events: list[MapEvent[K, V]] | None = None
-        self._sorted: list[K] | None = None
+        # None on a trial state, which derives the order from its overlay when asked.
+        self._order: KeyOrder[K] | None = KeyOrder()
 
     def __eq__(self, other: object) -> bool:
         # What replicas must agree on: the entries with their versions, and the position.
@@ -304,14 +579,26 @@ class MapState(Generic[K, V]):
 
     __hash__ = None  # type: ignore[assignment]
 
+    def load(self, entries: dict[K, MapEntry[V]]) -> None:
+        """Replace the entries at once (decoding a snapshot)."""
+        self.entries = entries
+        self.values = {key: entry.value for key, entry in entries.items()}
+        self._order = KeyOrder(entries)
+
     def copy(self) -> MapState[K, V]:
-        trial: MapState[K, V] = MapState()
-        trial.entries = dict(self.entries)
-        trial.position = self.position
-        trial.op_index = self.op_index
-        trial.last_tag = self.last_tag
-        trial._sorted = self._sorted  # never mutated, only replaced
-        return trial
+        """An independent copy (for a snapshot, encoded in another thread). O(n)."""
+        copied: MapState[K, V] = MapState()
+        copied.entries = dict(self.entries)
+        copied.values = dict(self.values)
+        copied.position = self.position
+        copied.op_index = self.op_index
+        copied.last_tag = self.last_tag
+        copied._order = None if self._order is None else self._order.copy()
+        return copied
+
+    def trial(self) -> MapState[K, V]:
+        """The writer's trial state: reads see this state, changes stay in the trial."""
+        return _TrialMapState(self)
 
     def begin(self, position: int) -> None:
         self.position = position
@@ -325,46 +612,97 @@ class MapState(Generic[K, V]):
             self.last_tag = op.tag
         version = MapVersion.of(self.position, self.op_index)
         self.op_index += 1
+        entries, order = self.entries, self._order
         if op.kind == "PUT":
             key, value = cast(K, op.key), cast(V, op.value)  # set on every PUT
-            if key not in self.entries:
-                self._sorted = None
-            self.entries[key] = MapEntry(value, version)
+            if order is not None and key not in entries:
+                order.add(key)
+            entries[key] = MapEntry(value, version)
+            self.values[key] = value
             if events is not None:
                 events.append(MapEvent("put", key, value, version, self.position))
         elif op.kind == "DELETE":
-            if self.entries.pop(cast(K, op.key), None) is not None:
-                self._sorted = None
+            key = cast(K, op.key)
+            if entries.pop(key, None) is not None:
+                del self.values[key]
+                if order is not None:
+                    order.remove(key)
                 if events is not None:
-                    events.append(MapEvent("delete", op.key, None, version, self.position))
+                    events.append(MapEvent("delete", key, None, version, self.position))
         else:
-            self.entries.clear()
-            self._sorted = None
+            entries.clear()
+            self.values.clear()
+            if order is not None:
+                order.clear()
             if events is not None:
                 events.append(MapEvent("clear", None, None, version, self.position))
 
     # ---------------------------------------------------------------- ordered reads
 
-    def sorted_keys(self) -> list[K]:
-        """The keys in key order (cached until a key is added or removed)."""
-        if self._sorted is None:
-            try:
-                self._sorted = sorted(self.entries)  # type: ignore[type-var]
-            except TypeError:  # mixed key types: rank them
-                self._sorted = sorted(self.entries, key=key_order)
-        return self._sorted
+    def sorted_keys(self) -> Iterable[K]:
+        """The keys in key order (iterate it before the state changes again)."""
+        assert self._order is not None
+        return self._order
 
     def items_between(self, low: K | None, high: K | None) -> list[tuple[K, V]]:
-        """Entries with ``low <= key < high`` (None: unbounded), in key order."""
-        keys = self.sorted_keys()
-        start = 0 if low is None else bisect_left(keys, key_order(low), key=key_order)
-        stop = len(keys) if high is None else bisect_left(keys, key_order(high), key=key_order)
-        entries = self.entries
-        return [(key, entries[key].value) for key in keys[start:stop]]
+        """Entries with ``low <= key < high`` (None: unbounded), in key order:
+        O(log n + k)."""
+        assert self._order is not None
+        values = self.values
+        return [(key, values[key]) for key in self._order.between(low, high)]
 
     def matching(self, accept: Callable[[K], bool]) -> list[tuple[K, MapEntry[V]]]:
         entries = self.entries
         return [(key, entries[key]) for key in self.sorted_keys() if accept(key)]
+
+
+class _TrialMapState(MapState[K, V]):
+    """A trial state: :class:`~pulsar_state.DictOverlay` views of a live state's dicts.
+
+    Made for one batch of the writer and thrown away after it; the live state does not
+    change meanwhile (the batch is built in one synchronous step).
+    """
+
+    __slots__ = ("_live",)
+
+    def __init__(self, live: MapState[K, V]) -> None:
+        # Not MapState.__init__: nothing of a fresh state is needed.
+        self._live = live
+        self.entries = DictOverlay(live.entries)
+        self.values = DictOverlay(live.values)
+        self.position = live.position
+        self.op_index = live.op_index
+        self.last_tag = live.last_tag
+        self.events = None
+        self._order = None
+
+    def trial(self) -> MapState[K, V]:
+        raise AssertionError("a trial state is never the base of another trial")
+
+    def sorted_keys(self) -> Iterable[K]:
+        # O(n) merge of the live order with this batch's changes; only whole-map generators
+        # (update_multiple, transact iterating its view) ask.
+        overlay = cast(DictOverlay[K, MapEntry[V]], self.entries)
+        added = list(overlay.added_keys)
+        if overlay.cleared:
+            return sort_keys(added)
+        live = self._live.sorted_keys()
+        removed = overlay.removed_keys
+        if not added and not removed:
+            return live
+        survivors = [key for key in live if key not in removed] if removed else list(live)
+        return sort_keys(survivors + added) if added else survivors  # timsort merges the runs
+
+    def items_between(self, low: K | None, high: K | None) -> list[tuple[K, V]]:
+        values = self.values
+        low_order = None if low is None else key_order(low)
+        high_order = None if high is None else key_order(high)
+        return [
+            (key, values[key])
+            for key in self.sorted_keys()
+            if (low_order is None or key_order(key) >= low_order)
+            and (high_order is None or key_order(key) < high_order)
+        ]
 
 
 _SNAPSHOT_MAGIC = b"PSMAP\x01"
@@ -396,6 +734,7 @@ class MapSnapshotCodec(Generic[K, V]):
         if not data.startswith(_SNAPSHOT_MAGIC):
             raise CodecError("not a PulsarMap snapshot")
         state: MapState[K, V] = MapState()
+        entries: dict[K, MapEntry[V]] = {}
         try:
             offset = len(_SNAPSHOT_MAGIC)
             state.position, count = _SNAPSHOT_HEAD.unpack_from(data, offset)
@@ -407,9 +746,10 @@ class MapSnapshotCodec(Generic[K, V]):
                 offset += key_len
                 value = self._codecs.decode_value(data[offset : offset + value_len])
                 offset += value_len
-                state.entries[key] = MapEntry(value, MapVersion(version))
+                entries[key] = MapEntry(value, MapVersion(version))
         except struct.error as exc:
             raise CodecError(f"damaged PulsarMap snapshot: {exc}") from exc
         if offset != len(data):
             raise CodecError("damaged PulsarMap snapshot: bytes left over")
+        state.load(entries)
         return state

@@ -18,7 +18,7 @@ from pulsar_state import (
     SharedStateManager,
 )
 
-from ._map_ops import MapEvent, MapOp, MapState, detached
+from ._map_ops import MapEvent, MapOp, MapState, readable
 
 __all__ = ["MapWatch", "WatchHub", "WatchOverflowError"]
 
@@ -29,9 +29,10 @@ V = TypeVar("V")
 _NEVER = 2**62
 
 
-def _detached(event: MapEvent[K, V]) -> MapEvent[K, V]:
-    # Events share their value with the state (and other watches): hand out a copy.
-    value = detached(event.value)
+def _readable(event: MapEvent[K, V]) -> MapEvent[K, V]:
+    # Events share their value with the state (and other watches): frozen values are handed
+    # out as they are, any other kind as a copy.
+    value = readable(event.value)
     return event if value is event.value else dataclasses.replace(event, value=value)
 
 
@@ -148,11 +149,11 @@ class MapWatch(Generic[K, V]):
                     if feed.closed:
                         return None
                     if feed.initial:
-                        return _detached(feed.initial.popleft())
+                        return _readable(feed.initial.popleft())
                     if feed.queue:
                         event = feed.queue.popleft()
                         feed.delivered_position = event.position
-                        return _detached(event)
+                        return _readable(event)
                     if feed.error is not None:
                         break  # raised below: the error may itself be a TimeoutError
                     feed.wake.clear()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, Generic, TypeVar, cast, overload
 
@@ -63,6 +64,7 @@ from ._map_ops import (
     MapState,
     MapVersion,
     detached,
+    readable,
 )
 from ._map_watch import MapWatch, WatchHub
 
@@ -114,8 +116,17 @@ class PulsarMap(Generic[K, V]):
 
     Keys and values are stored as every replica decodes them (``decode(encode(x))``): a tuple
     stored through JSON reads back as a list. ``None`` means "absent" and is never stored.
-    Values handed out (by reads, to ``update`` functions, in watch events) are the caller's own
-    copies. Key order, used by ``list_keys``/``range``/``all``/``scan`` and the local view, is
+
+    Values: reads (``get``, ``get_local``, ``range``, ``items``..., ``scan``, watch events)
+    hand out the stored values themselves, without a copy, and those cannot be changed:
+    values are frozen once when applied, their dicts and lists becoming
+    :class:`~recipes.FrozenDict` and :class:`~recipes.FrozenList` (subclasses of dict and
+    list: they compare, serialise and pickle as dicts and lists, but every change raises
+    ``TypeError``; ``copy.deepcopy(value)`` or :func:`~recipes.thaw` gives a mutable copy).
+    A value holding any other mutable object (a custom codec's class) cannot be frozen: reads
+    then hand out deep copies. Functions that compute new values (``update``,
+    ``update_multiple``, the ``transact`` view) get mutable copies, which they may change and
+    return. Key order, used by ``list_keys``/``range``/``all``/``scan`` and the local view, is
     each key type's ``<``: str by code point (the same as UTF-8 byte order), bytes by unsigned
     byte, ints numerically (mixed types: ints, then bytes, then str).
 
@@ -205,7 +216,10 @@ class PulsarMap(Generic[K, V]):
             initial_state=lambda: state,
             apply=MapState.apply,
             codec=MapOpCodec(self._codecs),
-            copy_state=MapState.copy,  # shallow: entries are immutable
+            # The writer's trial run works on an overlay (O(what a batch changes)); snapshots
+            # take a full copy, encoded in another thread.
+            trial_state=MapState.trial,
+            copy_state=MapState.copy,
             begin_record=MapState.begin,
             snapshot_codec=MapSnapshotCodec(self._codecs) if snapshots else None,
             **manager_options,
@@ -214,6 +228,16 @@ class PulsarMap(Generic[K, V]):
         self._snapshots = snapshots
         self._opened = False
         self._closed = False
+        # Weakly: the manager's running tasks must not keep a dropped map alive.
+        this = weakref.ref(self)
+
+        def serve_local_checked(*_error: object) -> None:
+            found = this()
+            if found is not None:
+                found._serve_local_checked()
+
+        self._codecs.on_unfrozen = serve_local_checked
+        self._manager.add_halt_listener(serve_local_checked)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -238,12 +262,23 @@ class PulsarMap(Generic[K, V]):
             self._watches = WatchHub(live, self._manager)
         self._opened = True
         self._watches.start()
+        if self._codecs.all_frozen and self._manager.halted is None:
+            # The fast local read: the live state's dict of frozen values serves get_local
+            # itself (one C call, no copy: nothing a caller gets can change the state). It is
+            # taken away at a close, a halt, or the first value that cannot be frozen.
+            self.__dict__["get_local"] = live.values.get
+
+    def _serve_local_checked(self) -> None:
+        """get_local from now on checks the map's state and copies values that are not
+        frozen (the class's method)."""
+        self.__dict__.pop("get_local", None)
 
     async def aclose(self, *, timeout: float = 10.0) -> None:
         """Close: end open watches (they raise ClosedError), release the writer, disconnect."""
         if self._closed:
             return
         self._closed = True
+        self._serve_local_checked()
         await self._watches.aclose()
         await self._manager.aclose(timeout=timeout)
 
@@ -330,7 +365,7 @@ class PulsarMap(Generic[K, V]):
 
         def lookup(state: MapState[K, V]) -> V | D:
             entry = state.entries.get(key)
-            return default if entry is None else detached(entry.value)
+            return default if entry is None else readable(entry.value)
 
         return await self._read(lookup, latest, timeout)
 
@@ -351,7 +386,7 @@ class PulsarMap(Generic[K, V]):
         def run(state: MapState[K, V]) -> int:
             matching = state.matching(filter)
             for key, entry in matching:
-                processor(key, detached(entry.value))
+                processor(key, readable(entry.value))
             return len(matching)
 
         return await self._read(run, latest, timeout)
@@ -378,7 +413,7 @@ class PulsarMap(Generic[K, V]):
 
         def lookup(state: MapState[K, V]) -> MapEntry[V] | None:
             entry = state.entries.get(key)
-            return None if entry is None else MapEntry(detached(entry.value), entry.version)
+            return None if entry is None else MapEntry(readable(entry.value), entry.version)
 
         return await self._read(lookup, latest, timeout)
 
@@ -394,7 +429,7 @@ class PulsarMap(Generic[K, V]):
         def run(state: MapState[K, V]) -> list[tuple[K, MapEntry[V]]]:
             entries = state.entries
             return [
-                (key, MapEntry(detached(entries[key].value), entries[key].version))
+                (key, MapEntry(readable(entries[key].value), entries[key].version))
                 for key in state.sorted_keys()
             ]
 
@@ -421,7 +456,7 @@ class PulsarMap(Generic[K, V]):
                 )
 
         def run(state: MapState[K, V]) -> list[tuple[K, V]]:
-            return [(k, detached(v)) for k, v in state.items_between(from_key, to_key)]
+            return [(k, readable(v)) for k, v in state.items_between(from_key, to_key)]
 
         return await self._read(run, latest, timeout)
 
@@ -453,25 +488,29 @@ class PulsarMap(Generic[K, V]):
         """The local values, in key order (a snapshot)."""
         self._check_usable()
         entries = self._state.entries
-        return [detached(entries[key].value) for key in self._state.sorted_keys()]
+        return [readable(entries[key].value) for key in self._state.sorted_keys()]
 
     def items(self) -> list[tuple[K, V]]:
         """The local entries, in key order (a snapshot)."""
         self._check_usable()
         entries = self._state.entries
-        return [(key, detached(entries[key].value)) for key in self._state.sorted_keys()]
+        return [(key, readable(entries[key].value)) for key in self._state.sorted_keys()]
 
     @overload
-    def get_local(self, key: K) -> V | None: ...
+    def get_local(self, key: K, /) -> V | None: ...
 
     @overload
-    def get_local(self, key: K, default: D) -> V | D: ...
+    def get_local(self, key: K, default: D, /) -> V | D: ...
 
-    def get_local(self, key: K, default: D | None = None) -> V | D | None:
-        """The locally known value of ``key``, or ``default`` (no I/O)."""
+    def get_local(self, key: K, default: D | None = None, /) -> V | D | None:
+        """The locally known value of ``key``, or ``default`` (no I/O; both positional).
+
+        As fast as a dict lookup: the value is the stored one, read-only (see "Values"
+        in the class's documentation), not a copy.
+        """
         self._check_usable()
         entry = self._state.entries.get(key)
-        return default if entry is None else detached(entry.value)
+        return default if entry is None else readable(entry.value)
 
     # ------------------------------------------------------------------ writes
 
@@ -561,7 +600,7 @@ class PulsarMap(Generic[K, V]):
 
         def new_value(state: MapState[K, V]) -> V | None:
             entry = state.entries.get(norm_key)
-            return None if entry is None else detached(entry.value)
+            return None if entry is None else readable(entry.value)
 
         return (await self._write(generator, new_value, timeout)).value
 
@@ -714,7 +753,7 @@ class PulsarMap(Generic[K, V]):
             return [] if norm_key in state.entries else [op]
 
         def bound(state: MapState[K, V]) -> V:
-            return detached(state.entries[norm_key].value)
+            return readable(state.entries[norm_key].value)
 
         return (await self._write(generator, bound, timeout)).value
 

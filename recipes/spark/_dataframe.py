@@ -6,6 +6,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from pulsar_state import ConfigurationError
+from recipes import thaw
 
 from ._sink import SINK_MARKER_PREFIX
 from ._specs import MapSpec, get_map
@@ -59,7 +60,8 @@ def map_dataframe(
     )
 
     entries = get_map(spec, timeout=timeout).entries(latest=latest, timeout=timeout)
-    rows = [(key, entry.value, entry.version) for key, entry in entries]
+    # Plain dicts and lists for Spark: its JVM side unpickles rows, and knows no FrozenDict.
+    rows = [(key, thaw(entry.value), entry.version) for key, entry in entries]
     if not include_markers:
         rows = [
             r for r in rows if not (isinstance(r[0], str) and r[0].startswith(SINK_MARKER_PREFIX))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
+import pickle
 from typing import Any
 
 import pytest
 
 from pulsar_state import BytesCodec, ClosedError, ConfigurationError, JsonCodec
-from recipes import MapEntry, PulsarMap
+from recipes import FrozenDict, FrozenList, MapEntry, PulsarMap, thaw
 from tests.recipes.helpers import WAIT_S, new_map
 
 
@@ -172,7 +175,7 @@ async def test_int_keys_through_json(service_url: str, admin_url: str, topic: st
         assert await m.range(0, 10) == [(2, "two")]
 
 
-async def test_local_view_has_no_io_and_hands_out_copies(
+async def test_local_view_has_no_io_and_hands_out_read_only_values(
     service_url: str, admin_url: str, topic: str
 ) -> None:
     async with new_map(service_url, topic, admin_url) as m:
@@ -187,13 +190,56 @@ async def test_local_view_has_no_io_and_hands_out_copies(
         assert m.get_local("a") == {"n": 1}
         assert m.get_local("zz") is None
         assert m.get_local("zz", "default") == "default"
-        # Changing what a read returned changes nothing in the map.
-        m.values()[0]["n"] = 99
-        m.items()[0][1]["n"] = 99
-        empty: dict[str, Any] = {}
-        (await m.get_or_default("a", empty))["n"] = 99
-        m.get_local("a", empty)["n"] = 99
+        # What a read returns is the stored value, read-only: it cannot change the map.
+        read_only = [
+            m.values()[0],
+            m.items()[0][1],
+            await m.get("a"),
+            await m.get_or_default("a", {}),
+            m.get_local("a"),
+            m.get_local("a", {}),
+            (await m.entry("a")).value,  # type: ignore[union-attr]
+            (await m.range(None, None))[0][1],
+        ]
+        for value in read_only:
+            assert isinstance(value, FrozenDict)
+            assert isinstance(value, dict)
+            with pytest.raises(TypeError, match="read-only"):
+                value["n"] = 99
+            with pytest.raises(TypeError, match="read-only"):
+                value.update(n=99)
         assert m.get_local("a") == {"n": 1}
+        # A mutable copy is one call away, and changing it changes nothing in the map.
+        mutable = thaw(m.get_local("a"))
+        mutable["n"] = 99
+        copied = copy.deepcopy(m.get_local("a"))
+        copied["n"] = 98
+        assert type(mutable) is dict
+        assert type(copied) is dict
+        assert m.get_local("a") == {"n": 1}
+
+
+async def test_nested_values_are_frozen_all_the_way_down(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with new_map(service_url, topic, admin_url) as m:
+        await m.put("d", {"items": [1, {"x": [2]}], "n": 1})
+        value = m.get_local("d")
+        assert value == {"items": [1, {"x": [2]}], "n": 1}
+        assert isinstance(value["items"], FrozenList)
+        with pytest.raises(TypeError, match="read-only"):
+            value["items"].append(3)
+        with pytest.raises(TypeError, match="read-only"):
+            value["items"][1]["x"] += [3]
+        # JSON, pickle and equality see plain dicts and lists.
+        assert json.loads(json.dumps(value)) == value
+        unpickled = pickle.loads(pickle.dumps(value))
+        assert type(unpickled) is dict
+        assert type(unpickled["items"]) is list
+        unpickled["items"].append(3)
+        # update functions get a mutable copy: changing it in place is fine.
+        await m.update("d", lambda key, current: {**current, "items": current["items"] + [3]})
+        assert m.get_local("d") == {"items": [1, {"x": [2]}, 3], "n": 1}
 
 
 async def test_versions_are_the_changes_that_set_the_keys(
@@ -261,7 +307,8 @@ async def test_entries_are_every_key_with_its_version_from_one_state(
         assert found[2][1].version == second
         local = await a.entries()  # latest=False: this replica, no I/O
         assert [key for key, _ in local] == ["a", "b", "c"]
-        local[1][1].value["n"] = 99  # a copy: the map keeps its own value
+        with pytest.raises(TypeError, match="read-only"):
+            local[1][1].value["n"] = 99  # the stored value, read-only
         assert await a.get("b") == {"n": 1}
 
         # Every write sets all the keys at once: a read from one state sees them all with the
@@ -316,8 +363,11 @@ async def test_lifecycle_errors(service_url: str, admin_url: str, topic: str) ->
         await m.get("a")
     with pytest.raises(ClosedError):
         len(m)
+    with pytest.raises(ClosedError):
+        m.get_local("a")
     async with m:
         await m.put("a", 1)
+        assert m.get_local("a") == 1
         assert m.position == 1
         assert m.stats.writes_committed == 1
         assert m.manager.position == 1
@@ -326,6 +376,41 @@ async def test_lifecycle_errors(service_url: str, admin_url: str, topic: str) ->
         await m.put("a", 2)
     with pytest.raises(ClosedError):
         "a" in m  # noqa: B015
+    with pytest.raises(ClosedError):
+        m.get_local("a")
+
+
+class Box:
+    """A value type that cannot be frozen: readers must get copies of it."""
+
+    def __init__(self, items: list[int]) -> None:
+        self.items = items
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Box) and other.items == self.items
+
+
+class BoxCodec:
+    def encode(self, value: Box) -> bytes:
+        return bytes(value.items)
+
+    def decode(self, data: bytes) -> Box:
+        return Box(list(data))
+
+
+async def test_values_that_cannot_be_frozen_are_read_as_copies(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    m: PulsarMap[str, Box] = PulsarMap(
+        service_url, topic, admin_url=admin_url, value_codec=BoxCodec()
+    )
+    async with m:
+        await m.put("b", Box([1]))
+        for read in (m.get_local("b"), await m.get("b"), m.values()[0], m.items()[0][1]):
+            assert read is not None
+            read.items.append(99)
+        assert m.get_local("b") == Box([1])
+        assert (await m.get("b")) == Box([1])
 
 
 async def test_map_opened_from_a_snapshot_reads_the_loaded_state_everywhere(

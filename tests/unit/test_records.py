@@ -17,7 +17,7 @@ from pulsar_state import (
     RecordTooLargeError,
 )
 from pulsar_state._envelope import decode_record
-from pulsar_state._machine import StateMachine
+from pulsar_state._machine import DEFAULT_COPY, StateMachine
 from pulsar_state._records import Batch, RecordBuilder
 
 State = dict[str, Any]
@@ -62,6 +62,13 @@ def builder(
         apply, JsonCodec(), copy_state=copy_state, begin_record=begin_record
     )
     return RecordBuilder(machine, "w1", limits or Limits())
+
+
+# The manager's default (an overlay over a dict state, values copied when first read) and an
+# explicit deep copy per batch: the trial run must behave the same with both.
+COPY_MODES = pytest.mark.parametrize(
+    "copy_state", [DEFAULT_COPY, copy.deepcopy], ids=["default-overlay", "deepcopy"]
+)
 
 
 def ops(*tags: str) -> Callable[[State], list[Op]]:
@@ -112,7 +119,10 @@ def test_records_split_by_size() -> None:
     assert all(len(o.payload) <= 1024 for o in batch.records)
 
 
-def test_generators_see_earlier_writes_of_the_batch_and_the_live_state_is_untouched() -> None:
+@COPY_MODES
+def test_generators_see_earlier_writes_of_the_batch_and_the_live_state_is_untouched(
+    copy_state: Any,
+) -> None:
     seen: list[int] = []
 
     def counting(state: State) -> list[Op]:
@@ -120,19 +130,20 @@ def test_generators_see_earlier_writes_of_the_batch_and_the_live_state_is_untouc
         return [{"tag": "n", "by": 10}]
 
     live = new_state()
-    builder().build(requests(counting, counting, counting), live, 0, "")
+    builder(copy_state=copy_state).build(requests(counting, counting, counting), live, 0, "")
     assert seen == [0, 10, 20]
     assert live == new_state()
 
 
-def test_begin_record_gets_the_version_of_the_record_each_write_joins() -> None:
+@COPY_MODES
+def test_begin_record_gets_the_version_of_the_record_each_write_joins(copy_state: Any) -> None:
     seen: list[list[int]] = []
 
     def look(state: State) -> list[Op]:
         seen.append(list(state["begun"]))
         return [{"tag": "t"}]
 
-    builder(Limits(max_writes_per_record=2)).build(
+    builder(Limits(max_writes_per_record=2), copy_state=copy_state).build(
         requests(look, look, look, look), new_state(), 10, "r"
     )
     # Writes 1-2 join record 11, writes 3-4 record 12: begin runs once per record.
@@ -170,7 +181,8 @@ def test_a_write_over_max_record_bytes_is_refused_before_sending() -> None:
     assert sent_ops(batch) == [[["small"]]]
 
 
-def test_a_failing_op_refuses_its_write_and_rolls_back_its_earlier_ops() -> None:
+@COPY_MODES
+def test_a_failing_op_refuses_its_write_and_rolls_back_its_earlier_ops(copy_state: Any) -> None:
     seen: list[list[str]] = []
 
     def look(state: State) -> list[Op]:
@@ -178,7 +190,9 @@ def test_a_failing_op_refuses_its_write_and_rolls_back_its_earlier_ops() -> None
         return [{"tag": "after"}]
 
     reqs = requests(ops("a"), lambda _s: [{"tag": "half"}, {"boom": True}], look)
-    batch = builder().build(reqs, new_state(), 0, "")
+    live = new_state()
+    batch = builder(copy_state=copy_state).build(reqs, live, 0, "")
+    assert live == new_state()
     ((request, error),) = batch.refused
     assert request is reqs[1]
     assert isinstance(error, ApplyError)
