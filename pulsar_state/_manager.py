@@ -594,6 +594,21 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         """
         return self._replica.add_listener(listener)
 
+    def add_state_replaced_listener(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener`` (on the event loop) each time this replica replaces its state
+        object: falling forward to a snapshot past history trimmed while it was behind
+        (``trim_history``). A view holding the state object must read it again
+        (``read_local``); the changes between the old and the new state are not known.
+        Returns an unsubscribe."""
+        hooks = self._replica.on_state_replaced
+        hooks.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in hooks:
+                hooks.remove(listener)
+
+        return unsubscribe
+
     def add_halt_listener(
         self, listener: Callable[[ReplicaHaltedError], None]
     ) -> Callable[[], None]:

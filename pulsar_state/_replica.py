@@ -84,6 +84,8 @@ class Replica(Generic[S, Op]):
         self.listeners: list[Callable[[AppliedRecord[Op]], None]] = []
         # Internal hooks, called before listeners: (version, state) after each record.
         self.after_apply: list[Callable[[int, S], None]] = []
+        # Called after falling forward replaced the state object (a snapshot loaded).
+        self.on_state_replaced: list[Callable[[], None]] = []
         self.on_halt: list[Callable[[ReplicaHaltedError], None]] = []
         self._machine = machine
         self._context = context
@@ -280,6 +282,8 @@ class Replica(Generic[S, Op]):
             self.halt_with(self._forked(record, at))
             return
         self._stats.fell_forward += 1
+        for hook in list(self.on_state_replaced):
+            hook()
         logger.warning(
             "%s was trimmed past this replica (at position %d): fell forward to the snapshot "
             "at position %d",

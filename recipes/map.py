@@ -66,7 +66,7 @@ from ._map_ops import (
     detached,
     readable,
 )
-from ._map_watch import MapWatch, WatchHub
+from ._map_watch import MapWatch, WatchHub, WatchOverflowError
 
 __all__ = ["PulsarMap"]
 
@@ -239,6 +239,13 @@ class PulsarMap(Generic[K, V]):
         self._codecs.on_unfrozen = serve_local_checked
         self._manager.add_halt_listener(serve_local_checked)
 
+        def state_replaced() -> None:
+            found = this()
+            if found is not None:
+                found._state_replaced()
+
+        self._manager.add_state_replaced_listener(state_replaced)
+
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self, *, timeout: float | None = None) -> None:
@@ -266,6 +273,28 @@ class PulsarMap(Generic[K, V]):
             # The fast local read: the live state's dict of frozen values serves get_local
             # itself (one C call, no copy: nothing a caller gets can change the state). It is
             # taken away at a close, a halt, or the first value that cannot be frozen.
+            self.__dict__["get_local"] = live.values.get
+
+    def _state_replaced(self) -> None:
+        """The replica fell forward to a snapshot (history trimmed while it was behind): every
+        view reads the new state object; watches end (the changes skipped are not known)."""
+        if not self._opened or self._closed:
+            return  # open() reads the live state when it ends
+        live = self._manager.read_local(lambda state: state)
+        old, self._state = self._watches, live
+        self._watches = WatchHub(live, self._manager)
+        self._watches.start()
+        old.fail_all(
+            WatchOverflowError(
+                f"the replica of {self.topic} fell forward to a snapshot at position "
+                f"{self.position} (the history before it was trimmed while it was behind): "
+                "the changes in between are not known; open a new watch",
+                max_queue=0,
+                position=self.position,
+            )
+        )
+        self._serve_local_checked()
+        if self._codecs.all_frozen and self._manager.halted is None:
             self.__dict__["get_local"] = live.values.get
 
     def _serve_local_checked(self) -> None:

@@ -322,3 +322,27 @@ async def test_a_watch_resumes_from_a_position(
         ("put", "d", 5),
     ]
     assert not any(e.initial for e in got)
+
+
+async def test_a_map_whose_replica_falls_forward_reads_the_new_state(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Falling forward (trim_history: the log was trimmed past a replica that was behind)
+    # replaces the replica's state object; the map's views must follow it, and its watches
+    # end (the changes skipped are not known). Injected: what the replica does when it falls
+    # forward (load a snapshot, tell the listeners), on an open map.
+    async with new_map(service_url, topic, admin_url, snapshots=True, trim_history=True) as m:
+        await m.put_all({"a": 1, "b": 2})
+        await m.snapshot()
+        await m.put("c", 3)
+        watch = m.changes(snapshot=False)
+        replica = m.manager._replica
+        assert replica.fall_forward is not None
+        assert await replica.fall_forward(0)  # the snapshot, without "c"
+        for hook in list(replica.on_state_replaced):
+            hook()
+        assert m.get_local("c") is None  # before: the old state object, which has "c"
+        assert m.get_local("a") == 1
+        assert sorted(m.keys()) == ["a", "b"]
+        with pytest.raises(WatchOverflowError, match="fell forward"):
+            await watch.next(timeout=WAIT_S)
