@@ -65,6 +65,7 @@ from ._map_ops import (
     MapVersion,
     detached,
     readable,
+    thaw,
 )
 from ._map_watch import MapWatch, WatchHub, WatchOverflowError
 
@@ -78,6 +79,16 @@ T = TypeVar("T")
 # SharedStateManager options that PulsarMap sets itself.
 _RESERVED_OPTIONS = STATE_MACHINE_OPTIONS | {"snapshot_codec"}
 _CLEAR: MapOp[Any, Any] = MapOp("CLEAR")
+
+#: Keys under this prefix hold the bookkeeping of writers built on the map (the Spark sink's
+#: exactly-once batch markers): :meth:`PulsarMap.clear` keeps them and
+#: :meth:`PulsarMap.update_multiple` never visits them, so that clearing the data does not
+#: make a sink apply its batches again. Name such a key (``delete``, ``put``) to change it.
+PROTECTED_PREFIX = "__sink__/"
+
+
+def _protected(key: Any) -> bool:
+    return isinstance(key, str) and key.startswith(PROTECTED_PREFIX)
 
 
 def _new_tag() -> bytes:
@@ -598,10 +609,18 @@ class PulsarMap(Generic[K, V]):
         return (await self._write(generator, lambda s: s.last_tag == tag, timeout)).value
 
     async def clear(self, *, timeout: float | None = None) -> int:
-        """Remove every key in one write; returns its position. Watches see one clear event."""
+        """Remove every key (but the protected ones: :data:`PROTECTED_PREFIX`) in one write;
+        returns its position. Watches see one clear event (then the protected keys put back)."""
+        codecs = self._codecs
 
         def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
-            return [_CLEAR] if state.entries else []
+            kept = [(key, entry) for key, entry in state.entries.items() if _protected(key)]
+            if len(kept) == len(state.entries):
+                return []  # nothing to remove
+            return [_CLEAR] + [
+                codecs.put_known(key, codecs.key_bytes(key), thaw(entry.value))
+                for key, entry in kept
+            ]
 
         return (await self._write(generator, lambda s: None, timeout)).position
 
@@ -649,9 +668,12 @@ class PulsarMap(Generic[K, V]):
         """
         codecs = self._codecs
 
+        def visited(key: K) -> bool:
+            return not _protected(key) and filter(key)
+
         def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
             ops: list[MapOp[K, V]] = []
-            for key, entry in state.matching(filter):
+            for key, entry in state.matching(visited):
                 new = fn(key, detached(entry.value))
                 if new is None:
                     ops.append(MapOp("DELETE", key, None, codecs.key_bytes(key)))

@@ -17,6 +17,7 @@ from pulsar_state import (
     RecordTooLargeError,
     WriteOutcomeUnknownError,
 )
+from recipes.map import PROTECTED_PREFIX
 
 from ._specs import MapSpec, get_map
 
@@ -35,7 +36,7 @@ __all__ = [
 logger = logging.getLogger("pulsar_state.spark")
 
 #: Keys under this prefix hold exactly-once sink markers (see :class:`PulsarMapSink`).
-SINK_MARKER_PREFIX = "__sink__/"
+SINK_MARKER_PREFIX = PROTECTED_PREFIX  # "__sink__/": clear() keeps these keys
 
 
 SinkMode = Literal["replace", "add"]

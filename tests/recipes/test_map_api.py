@@ -12,6 +12,7 @@ import pytest
 
 from pulsar_state import BytesCodec, ClosedError, ConfigurationError, JsonCodec
 from recipes import FrozenDict, FrozenList, MapEntry, PulsarMap, thaw
+from recipes.map import PROTECTED_PREFIX
 from tests.recipes.helpers import WAIT_S, new_map
 
 
@@ -480,3 +481,24 @@ async def test_swapping_absent_for_absent_is_not_a_change(
         await m.put("k", 1)
         assert await m.replace("k", 1, None) is True  # a real delete still succeeds
         assert "k" not in m
+
+
+async def test_clear_and_update_multiple_keep_the_protected_keys(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A Spark sink's exactly-once marker lives under PROTECTED_PREFIX in the same map: a
+    # clear() of the data (or a bulk delete) that removed it made the sink apply its
+    # batches again.
+    marker = PROTECTED_PREFIX + "job"
+    async with new_map(service_url, topic, admin_url) as m:
+        await m.put_all({"a": 1, "b": {"n": 2}, marker: 7})
+        await m.clear()
+        assert await m.all(latest=True) == [(marker, 7)]
+        position = m.position
+        await m.clear()  # only protected keys left: nothing to clear, nothing appended
+        assert m.position == position
+        await m.put_all({"c": 3, "d": 4})
+        await m.update_multiple(lambda k: True, lambda k, v: None)
+        assert await m.all(latest=True) == [(marker, 7)]
+        assert await m.delete(marker)  # named: changed like any key
+        assert await m.all(latest=True) == []
