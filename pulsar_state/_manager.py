@@ -338,6 +338,8 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             owner=self._pending,
         )
         self._replica.on_halt.append(self._pending.fail_queued)
+        # In flight too: nothing will settle them now (they would wait for their deadline).
+        self._replica.on_halt.append(self._pending.fail_in_flight)
         self._snapshots: SnapshotPolicy[S] | None = None
         self._store: SnapshotStore | None = None
         self._conn: PulsarConnection | None = None

@@ -328,14 +328,18 @@ class PendingWrites:
         if waiting:
             await asyncio.wait(waiting, timeout=timeout)
 
-    def fail_in_flight(self) -> None:
+    def fail_in_flight(self, cause: BaseException | None = None) -> None:
+        """End the writes in flight: their records may land, unseen by this manager (it
+        closes, or ``cause``: its replica halted)."""
+        why = "the manager closed" if cause is None else "the replica halted"
         for writes in self._in_flight.values():
             for pending in writes:
                 if not pending.future.done():
-                    pending.future.set_exception(
-                        WriteOutcomeUnknownError(
-                            "the manager closed before this write's outcome was seen",
-                            write_id=write_id(self._writer_id, pending.write_seq),
-                        )
+                    error = WriteOutcomeUnknownError(
+                        f"{why} before this write's outcome was seen; it was applied once "
+                        "or not at all",
+                        write_id=write_id(self._writer_id, pending.write_seq),
                     )
+                    error.__cause__ = cause
+                    pending.future.set_exception(error)
         self._in_flight.clear()

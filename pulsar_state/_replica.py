@@ -210,6 +210,8 @@ class Replica(Generic[S, Op]):
 
     def on_message(self, message: RawMessage, record: Record | None = None) -> None:
         """Handle the next message of the log (``record``: already decoded, our own)."""
+        if self.halt is not None:
+            return  # a halted replica stays at its last good state, whoever hands it more
         if self.read_to is not None and message.position <= self.read_to:
             logger.debug("ignoring redelivered message %s", message.position)
             return

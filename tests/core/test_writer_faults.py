@@ -9,7 +9,12 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import BrokerUnavailableError
+from pulsar_state import (
+    BrokerUnavailableError,
+    PulsarStateError,
+    ReplicaHaltedError,
+    WriteOutcomeUnknownError,
+)
 from pulsar_state._pulsar import LogPosition, StateWriter
 from pulsar_state._replica import Replica
 from tests.core.helpers import counter_manager, incr
@@ -81,3 +86,25 @@ async def test_a_failed_send_is_retried_even_when_the_read_back_times_out(
         assert sorted(r.position for r in results) == [1, 2]
         state = await manager.read(lambda s: (s["count"], s["seen"]), latest=True)
         assert state == (2, {"a": 1, "b": 1})
+
+
+async def test_a_write_in_flight_when_the_replica_halts_ends_at_once(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its record is sent; the replica halts before seeing it (injected: halted from the send
+    # wrapper). Nothing can settle the write any more: it ended only at its deadline (here
+    # 600 s); it ends now, with an unknown outcome (the record may be in the log).
+    send = StateWriter.send
+    manager = counter_manager(service_url, topic, admin_url)
+
+    async def halting(self: StateWriter, payload: bytes, *, key: str) -> LogPosition:
+        manager._replica.halt_with(PulsarStateError("injected: the replica stopped"))
+        return await send(self, payload, key=key)
+
+    async with manager:
+        monkeypatch.setattr(StateWriter, "send", halting)
+        write = asyncio.ensure_future(manager.write(lambda s: [incr("a")], timeout=600.0))
+        with pytest.raises(WriteOutcomeUnknownError, match="the replica halted") as caught:
+            await asyncio.wait_for(write, 60.0)
+        assert isinstance(caught.value.__cause__, ReplicaHaltedError)
+        assert manager.position == 0  # its own acked record was not applied after the halt
