@@ -46,7 +46,7 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -92,7 +92,9 @@ class LockClient(Protocol):
 class LibraryLock:
     """Ownership awaited directly on the worker's event loop (no sync facade, no thread hop)."""
 
-    def __init__(self, service_url: str, admin_url: str, topic: str) -> None:
+    def __init__(
+        self, service_url: str, admin_url: str, topic: str, options: dict[str, Any]
+    ) -> None:
         from recipes import Ownership
 
         self._owners = Ownership(
@@ -102,6 +104,7 @@ class LibraryLock:
             write_timeout_s=_REPLY_TIMEOUT_S,
             read_timeout_s=_REPLY_TIMEOUT_S,
             open_timeout_s=_REPLY_TIMEOUT_S,
+            **options,
         )
         self._lease: Any = None
 
@@ -199,7 +202,9 @@ class EtcdLock:
 
 async def make_client(system: str, target: dict[str, Any]) -> LockClient:
     if system == "library":
-        library = LibraryLock(target["service_url"], target["admin_url"], target["topic"])
+        library = LibraryLock(
+            target["service_url"], target["admin_url"], target["topic"], target["options"]
+        )
         await library.open()
         return library
     if system == "zookeeper":
@@ -309,7 +314,9 @@ class SystemResult:
     handover_rounds: int
 
 
-def measure(system: str, target: dict[str, Any], uncontended: int, handovers: int) -> SystemResult:
+def measure(
+    system: str, target: dict[str, Any], uncontended: int, handovers: int, label: str = ""
+) -> SystemResult:
     holder = Worker(system, target)
     waiter = Worker(system, target)
     try:
@@ -331,7 +338,7 @@ def measure(system: str, target: dict[str, Any], uncontended: int, handovers: in
         waiter.stop()
     ms = 1000.0
     return SystemResult(
-        system,
+        label or system,
         percentile(alone, 0.5) * ms,
         percentile(alone, 0.99) * ms,
         percentile(gaps, 0.5) * ms,
@@ -479,21 +486,33 @@ def run(
     uncontended: int,
     handovers: int,
     say: Callable[[str], None],
+    idle_release_s: Sequence[float] = (),
 ) -> tuple[list[SystemResult], dict[str, str]]:
-    """Measure each system in turn; returns the results and the skipped peers' reasons."""
+    """Measure each system in turn; returns the results and the skipped peers' reasons.
+
+    Each ``idle_release_s`` adds a run of the library with that manager setting (how long a
+    process keeps the topic's writer after its last write), labelled with it.
+    """
     results: list[SystemResult] = []
     skipped: dict[str, str] = {}
     for system in systems:
         if system == "library":
             broker = provide_broker(service_url, admin_url)
             try:
-                target = {
-                    "service_url": broker.service_url,
-                    "admin_url": broker.admin_url,
-                    "topic": f"persistent://public/default/lockbench-{uuid.uuid4().hex[:8]}",
-                }
-                say("... library (Ownership)")
-                results.append(measure(system, target, uncontended, handovers))
+                variants: list[tuple[str, dict[str, Any]]] = [("library", {})]
+                variants += [
+                    (f"library idle_release_s={idle:g}", {"idle_release_s": idle})
+                    for idle in idle_release_s
+                ]
+                for label, options in variants:
+                    target = {
+                        "service_url": broker.service_url,
+                        "admin_url": broker.admin_url,
+                        "topic": f"persistent://public/default/lockbench-{uuid.uuid4().hex[:8]}",
+                        "options": options,
+                    }
+                    say(f"... {label} (Ownership)")
+                    results.append(measure(system, target, uncontended, handovers, label))
             finally:
                 broker.stop()
             continue
@@ -513,7 +532,7 @@ def metrics(results: list[SystemResult], skipped: dict[str, str]) -> list[Metric
     """The library against the faster peer, one Metric per figure."""
     by_system = {r.system: r for r in results}
     library = by_system.get("library")
-    peers = [r for r in results if r.system != "library"]
+    peers = [r for r in results if not r.system.startswith("library")]
     if library is None:
         return []
     out = []
@@ -525,6 +544,7 @@ def metrics(results: list[SystemResult], skipped: dict[str, str]) -> list[Metric
     ):
         mine = float(getattr(library, field_name))
         details: dict[str, Any] = {r.system: getattr(r, field_name) for r in results}
+        details["load average"] = os.getloadavg()[0]
         details.update({f"{name} skipped": why for name, why in skipped.items()})
         if peers:
             best = min(peers, key=lambda r: float(getattr(r, field_name)))
@@ -568,6 +588,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=SYSTEMS)
     parser.add_argument("--uncontended", type=int, help="acquire+release rounds per system")
     parser.add_argument("--handovers", type=int, help="handover rounds per system")
+    parser.add_argument(
+        "--idle-release-s",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also run the library with these idle_release_s settings",
+    )
     parser.add_argument("--pulsar-url", default=os.environ.get("PULSAR_SERVICE_URL"))
     parser.add_argument("--pulsar-admin-url", default=os.environ.get("PULSAR_ADMIN_URL"))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results.json"))
@@ -582,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         uncontended=uncontended,
         handovers=handovers,
         say=lambda line: print(line, file=sys.stderr, flush=True),
+        idle_release_s=args.idle_release_s,
     )
     print(side_by_side(results))
     found = metrics(results, skipped)
@@ -594,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     document: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     document["locks"] = {
         "mode": "quick" if args.quick else "full",
-        "environment": environment(),
+        # Other work on this machine's 2 cores shows in the tails: record how busy it was.
+        "environment": {**environment(), "load_average_1m": os.getloadavg()[0]},
         "systems": [asdict(r) for r in results],
         "skipped": skipped,
         "metrics": [asdict(m) for m in found],
