@@ -348,6 +348,31 @@ def measure(
     )
 
 
+def two_sends_p50_ms(service_url: str, rounds: int) -> float:
+    """The floor under the library's acquire+release: two sequential sends of a raw
+    pulsar-client producer (the library's acquire and release are one record each)."""
+    import pulsar
+
+    client = pulsar.Client(service_url, operation_timeout_seconds=60)
+    try:
+        producer = client.create_producer(
+            f"persistent://public/default/lockbench-raw-{uuid.uuid4().hex[:8]}",
+            batching_enabled=False,
+        )
+        payload = b"x" * 200  # about the size of an acquire record
+        for _ in range(10):
+            producer.send(payload)
+        durations = []
+        for _ in range(rounds):
+            started = now()
+            producer.send(payload)
+            producer.send(payload)
+            durations.append(now() - started)
+        return percentile(durations, 0.5) * 1000.0
+    finally:
+        client.close()
+
+
 # ---------------------------------------------------------------- peers (servers started here)
 
 
@@ -487,8 +512,11 @@ def run(
     handovers: int,
     say: Callable[[str], None],
     idle_release_s: Sequence[float] = (),
+    floor: dict[str, float] | None = None,
 ) -> tuple[list[SystemResult], dict[str, str]]:
     """Measure each system in turn; returns the results and the skipped peers' reasons.
+
+    With the library, ``floor["pulsar_two_sends_p50_ms"]`` gets :func:`two_sends_p50_ms`.
 
     Each ``idle_release_s`` adds a run of the library with that manager setting (how long a
     process keeps the topic's writer after its last write), labelled with it.
@@ -513,6 +541,11 @@ def run(
                     }
                     say(f"... {label} (Ownership)")
                     results.append(measure(system, target, uncontended, handovers, label))
+                if floor is not None:
+                    say("... raw pulsar-client: two sequential sends (the floor)")
+                    floor["pulsar_two_sends_p50_ms"] = two_sends_p50_ms(
+                        broker.service_url, uncontended
+                    )
             finally:
                 broker.stop()
             continue
@@ -569,13 +602,14 @@ def metrics(results: list[SystemResult], skipped: dict[str, str]) -> list[Metric
 
 
 def side_by_side(results: list[SystemResult]) -> str:
+    width = max([12, *(len(r.system) for r in results)])
     lines = [
-        f"{'system':<12} {'acq+rel p50':>12} {'acq+rel p99':>12} "
+        f"{'system':<{width}} {'acq+rel p50':>12} {'acq+rel p99':>12} "
         f"{'handover p50':>13} {'handover p99':>13}  rounds (alone/handover)"
     ]
     for r in results:
         lines.append(
-            f"{r.system:<12} {r.uncontended_p50_ms:>9.2f} ms {r.uncontended_p99_ms:>9.2f} ms "
+            f"{r.system:<{width}} {r.uncontended_p50_ms:>9.2f} ms {r.uncontended_p99_ms:>9.2f} ms "
             f"{r.handover_p50_ms:>10.2f} ms {r.handover_p99_ms:>10.2f} ms  "
             f"{r.uncontended_rounds}/{r.handover_rounds}"
         )
@@ -602,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     uncontended = args.uncontended or (100 if args.quick else 500)
     handovers = args.handovers or (30 if args.quick else 200)
     systems = args.only or list(SYSTEMS)
+    floor: dict[str, float] = {}
     results, skipped = run(
         systems,
         service_url=args.pulsar_url,
@@ -610,8 +645,11 @@ def main(argv: list[str] | None = None) -> int:
         handovers=handovers,
         say=lambda line: print(line, file=sys.stderr, flush=True),
         idle_release_s=args.idle_release_s,
+        floor=floor,
     )
     print(side_by_side(results))
+    for name, value in floor.items():
+        print(f"{name}: {value:.2f} ms")
     found = metrics(results, skipped)
     if found:
         print()
@@ -626,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": {**environment(), "load_average_1m": os.getloadavg()[0]},
         "systems": [asdict(r) for r in results],
         "skipped": skipped,
+        "floor": floor,
         "metrics": [asdict(m) for m in found],
     }
     out.write_text(json.dumps(document, indent=2) + "\n")
