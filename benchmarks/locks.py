@@ -353,7 +353,11 @@ def two_sends_p50_ms(service_url: str, rounds: int) -> float:
     pulsar-client producer (the library's acquire and release are one record each)."""
     import pulsar
 
-    client = pulsar.Client(service_url, operation_timeout_seconds=60)
+    client = pulsar.Client(
+        service_url,
+        operation_timeout_seconds=60,
+        logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn),  # not its INFO lines
+    )
     try:
         producer = client.create_producer(
             f"persistent://public/default/lockbench-raw-{uuid.uuid4().hex[:8]}",
