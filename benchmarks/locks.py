@@ -1,0 +1,680 @@
+"""Locks side by side: Ownership (this library) against ZooKeeper and etcd, in one run.
+
+    python -m benchmarks.locks              full run (a few minutes)
+    python -m benchmarks.locks --quick      fewer rounds
+    python -m benchmarks.locks --only library zookeeper
+
+Two figures per system, each from separate OS processes on this machine:
+
+* **acquire + release, uncontended**: one process takes one lock and gives it back, in a loop.
+* **handover**: process A holds the lock and process B waits in ``acquire`` (A first sees B's
+  request registered: a waiting lease, a kazoo contender, an etcd lock key); then A releases.
+  The figure is the time from A's ``release`` call to B's ``acquire`` returning, both read
+  from the system-wide monotonic clock.
+
+The systems:
+
+* ``library``: :class:`recipes.Ownership` (one table topic, one resource), ``acquire`` with
+  its default keep-alive, then ``release``.
+* ``zookeeper``: ZooKeeper 3.8 (Debian package ``zookeeper``) with kazoo's ``Lock`` (the
+  ``bench`` extra). Started here on a free port with ``forceSync=no``: the Pulsar standalone
+  broker does not fsync either.
+* ``etcd``: etcd 3.4 (Debian package ``etcd-server``), its v3 lock API over the HTTP/JSON
+  gateway (``/v3/lock/lock`` and ``/v3/lock/unlock``, holding a lease granted once per process
+  as a session does). etcd 3.4 has no switch to skip fsync, so its writes are synced.
+
+A peer whose package (or kazoo) is missing is skipped with a message saying what to install.
+Prints a table and adds a ``locks`` section to ``benchmarks/results.json`` (or ``--out``),
+keeping the rest of that file. The target (issue 14): the library <= the faster peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import http.client
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Protocol
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.run import Metric, environment, percentile, table  # noqa: E402
+from pulsar_state.testing import provide_broker  # noqa: E402
+
+SYSTEMS = ("library", "zookeeper", "etcd")
+LOCK_NAME = "bench"
+ZOOKEEPER_JAR = Path(os.environ.get("ZOOKEEPER_JAR", "/usr/share/java/zookeeper.jar"))
+# Every wait on a worker is bounded: a stuck peer fails the run instead of hanging it.
+_REPLY_TIMEOUT_S = 120.0
+_START_TIMEOUT_S = 60.0
+
+
+def now() -> float:
+    """CLOCK_MONOTONIC: one clock for every process on this machine (perf_counter may not be)."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+# ---------------------------------------------------------------- lock clients (in workers)
+
+
+class LockClient(Protocol):
+    """One process's handle on the lock. Async so that the library's event loop keeps running
+    (renewals, handing its writer over when idle) while the worker waits for commands; the
+    peers' clients block inside these methods, which is fine in a worker doing nothing else."""
+
+    async def acquire(self) -> None: ...
+    async def release(self) -> None: ...
+    async def contenders(self) -> int:
+        """Processes holding or waiting for the lock, as this client sees them now."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class LibraryLock:
+    """Ownership awaited directly on the worker's event loop (no sync facade, no thread hop)."""
+
+    def __init__(
+        self, service_url: str, admin_url: str, topic: str, options: dict[str, Any]
+    ) -> None:
+        from recipes import Ownership
+
+        self._owners = Ownership(
+            service_url,
+            topic,
+            admin_url=admin_url,
+            write_timeout_s=_REPLY_TIMEOUT_S,
+            read_timeout_s=_REPLY_TIMEOUT_S,
+            open_timeout_s=_REPLY_TIMEOUT_S,
+            **options,
+        )
+        self._lease: Any = None
+
+    async def open(self) -> None:
+        await self._owners.open()
+
+    async def acquire(self) -> None:
+        self._lease = await self._owners.acquire(LOCK_NAME, ttl=30.0)
+
+    async def release(self) -> None:
+        await self._owners.release(self._lease)
+        self._lease = None
+
+    async def contenders(self) -> int:
+        # The local replica (no I/O): the waiter's request shows once its record is read.
+        return int(
+            self._owners.read_local(
+                lambda table: sum(LOCK_NAME in lease.names for lease in table.leases.values())
+            )
+        )
+
+    async def close(self) -> None:
+        await self._owners.aclose()
+
+
+class ZooKeeperLock:
+    def __init__(self, hosts: str, path: str) -> None:
+        from kazoo.client import KazooClient
+
+        self._zk = KazooClient(hosts=hosts, timeout=30.0)
+        self._zk.start(timeout=_START_TIMEOUT_S)
+        self._lock = self._zk.Lock(path, f"pid-{os.getpid()}")
+
+    async def acquire(self) -> None:
+        if not self._lock.acquire(timeout=_REPLY_TIMEOUT_S):
+            raise TimeoutError("kazoo Lock.acquire timed out")
+
+    async def release(self) -> None:
+        self._lock.release()
+
+    async def contenders(self) -> int:
+        return len(self._lock.contenders())
+
+    async def close(self) -> None:
+        self._zk.stop()
+        self._zk.close()
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+class EtcdLock:
+    """etcd's v3 lock service through its HTTP/JSON gateway, on one kept-alive connection."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._http = http.client.HTTPConnection(host, port, timeout=_REPLY_TIMEOUT_S)
+        # One lease per process for all its locks, as etcd's concurrency.Session keeps one;
+        # long enough for the run, so no keepalive stream is needed here.
+        self._lease_id = int(self._post("/v3/lease/grant", {"TTL": 900})["ID"])
+        self._key: str | None = None
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self._http.request(
+            "POST", path, json.dumps(body), headers={"Content-Type": "application/json"}
+        )
+        response = self._http.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"etcd {path}: HTTP {response.status} {data[:300]!r}")
+        reply: dict[str, Any] = json.loads(data)
+        return reply
+
+    async def acquire(self) -> None:
+        reply = self._post("/v3/lock/lock", {"name": _b64(LOCK_NAME), "lease": self._lease_id})
+        self._key = reply["key"]
+
+    async def release(self) -> None:
+        self._post("/v3/lock/unlock", {"key": self._key})
+        self._key = None
+
+    async def contenders(self) -> int:
+        # The lock service keeps one key per contender under "<name>/".
+        prefix, end = f"{LOCK_NAME}/", f"{LOCK_NAME}0"  # "0" is the byte after "/"
+        reply = self._post(
+            "/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end), "count_only": True}
+        )
+        return int(reply.get("count", 0))
+
+    async def close(self) -> None:
+        with contextlib.suppress(OSError, RuntimeError):
+            self._post("/v3/lease/revoke", {"ID": self._lease_id})
+        self._http.close()
+
+
+async def make_client(system: str, target: dict[str, Any]) -> LockClient:
+    if system == "library":
+        library = LibraryLock(
+            target["service_url"], target["admin_url"], target["topic"], target["options"]
+        )
+        await library.open()
+        return library
+    if system == "zookeeper":
+        return ZooKeeperLock(target["hosts"], target["path"])
+    if system == "etcd":
+        return EtcdLock(target["host"], target["port"])
+    raise ValueError(f"unknown system {system!r}")
+
+
+async def serve(client: LockClient, conn: Connection) -> None:
+    """Run the coordinator's commands until "stop"."""
+    while True:
+        # Off the loop: the library's background work goes on while this waits.
+        command, argument = await asyncio.to_thread(conn.recv)
+        if command == "stop":
+            return
+        if command == "uncontended":
+            durations = []
+            for _ in range(argument):
+                started = now()
+                await client.acquire()
+                await client.release()
+                durations.append(now() - started)
+            conn.send(("ok", durations))
+        elif command == "hold":
+            await client.acquire()
+            conn.send(("ok", None))
+        elif command == "release-when-contended":
+            deadline = now() + _REPLY_TIMEOUT_S
+            while await client.contenders() < 2:
+                if now() > deadline:
+                    raise TimeoutError("the waiter's request never showed up")
+                await asyncio.sleep(0.001)
+            released_at = now()
+            await client.release()
+            conn.send(("ok", released_at))
+        elif command == "wait":
+            await client.acquire()
+            acquired_at = now()
+            await client.release()
+            conn.send(("ok", acquired_at))
+        else:
+            raise ValueError(f"unknown command {command!r}")
+
+
+async def _work(system: str, target: dict[str, Any], conn: Connection) -> None:
+    client = await make_client(system, target)
+    conn.send(("ready", None))
+    try:
+        await serve(client, conn)
+    finally:
+        await client.close()
+
+
+def worker(system: str, target: dict[str, Any], conn: Connection) -> None:
+    """One process's side of the protocol: commands in, results (or the error) out."""
+    try:
+        asyncio.run(_work(system, target, conn))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+
+
+class Worker:
+    """A worker process and the coordinator's end of its pipe."""
+
+    def __init__(self, system: str, target: dict[str, Any]) -> None:
+        self.system = system
+        context = multiprocessing.get_context("spawn")  # no fork of pulsar-client's threads
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=worker, args=(system, target, child), daemon=True)
+        self._process.start()
+        child.close()
+        self.reply()
+
+    def send(self, command: str, argument: Any = None) -> None:
+        self._conn.send((command, argument))
+
+    def reply(self) -> Any:
+        if not self._conn.poll(_REPLY_TIMEOUT_S):
+            raise TimeoutError(f"{self.system} worker: no reply in {_REPLY_TIMEOUT_S}s")
+        status, value = self._conn.recv()
+        if status == "error":
+            raise RuntimeError(f"{self.system} worker failed:\n{value}")
+        return value
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(("stop", None))
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@dataclass
+class SystemResult:
+    system: str
+    uncontended_p50_ms: float
+    uncontended_p99_ms: float
+    handover_p50_ms: float
+    handover_p99_ms: float
+    uncontended_rounds: int
+    handover_rounds: int
+
+
+def measure(
+    system: str, target: dict[str, Any], uncontended: int, handovers: int, label: str = ""
+) -> SystemResult:
+    holder = Worker(system, target)
+    waiter = Worker(system, target)
+    try:
+        holder.send("uncontended", max(3, uncontended // 10))  # warm up connections and caches
+        holder.reply()
+        holder.send("uncontended", uncontended)
+        alone: list[float] = holder.reply()
+        gaps = []
+        for _ in range(handovers):
+            holder.send("hold")
+            holder.reply()
+            waiter.send("wait")
+            holder.send("release-when-contended")
+            released_at = holder.reply()
+            acquired_at = waiter.reply()
+            gaps.append(acquired_at - released_at)
+    finally:
+        holder.stop()
+        waiter.stop()
+    ms = 1000.0
+    return SystemResult(
+        label or system,
+        percentile(alone, 0.5) * ms,
+        percentile(alone, 0.99) * ms,
+        percentile(gaps, 0.5) * ms,
+        percentile(gaps, 0.99) * ms,
+        len(alone),
+        len(gaps),
+    )
+
+
+def two_sends_p50_ms(service_url: str, rounds: int) -> float:
+    """The floor under the library's acquire+release: two sequential sends of a raw
+    pulsar-client producer (the library's acquire and release are one record each)."""
+    import pulsar
+
+    client = pulsar.Client(
+        service_url,
+        operation_timeout_seconds=60,
+        logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn),  # not its INFO lines
+    )
+    try:
+        producer = client.create_producer(
+            f"persistent://public/default/lockbench-raw-{uuid.uuid4().hex[:8]}",
+            batching_enabled=False,
+        )
+        payload = b"x" * 200  # about the size of an acquire record
+        for _ in range(10):
+            producer.send(payload)
+        durations = []
+        for _ in range(rounds):
+            started = now()
+            producer.send(payload)
+            producer.send(payload)
+            durations.append(now() - started)
+        return percentile(durations, 0.5) * 1000.0
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------- peers (servers started here)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _wait_until(check: Callable[[], bool], what: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode} while starting")
+        with contextlib.suppress(OSError):
+            if check():
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} did not start within {_START_TIMEOUT_S}s")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def zookeeper_missing() -> str | None:
+    if shutil.which("java") is None or not ZOOKEEPER_JAR.exists():
+        return f"no ZooKeeper ({ZOOKEEPER_JAR} or java missing): apt-get install zookeeper"
+    try:
+        import kazoo  # noqa: F401
+    except ImportError:
+        return "kazoo is not installed: pip install 'pulsar-state[bench]'"
+    return None
+
+
+def etcd_missing() -> str | None:
+    if shutil.which("etcd") is None:
+        return "no etcd binary: apt-get install etcd-server"
+    return None
+
+
+@contextlib.contextmanager
+def zookeeper_server() -> Iterator[dict[str, Any]]:
+    """A standalone ZooKeeper on a free port, in a temp dir removed afterwards."""
+    home = Path(tempfile.mkdtemp(prefix="lockbench-zk-"))
+    port = free_port()
+    config = home / "zoo.cfg"
+    config.write_text(
+        f"tickTime=2000\ndataDir={home / 'data'}\nclientPort={port}\n"
+        "clientPortAddress=127.0.0.1\nadmin.enableServer=false\nmaxClientCnxns=0\n"
+        # The Pulsar standalone broker does not fsync: compare like with like.
+        "forceSync=no\n"
+    )
+    with (home / "server.log").open("wb") as log:
+        process = subprocess.Popen(
+            [
+                "java",
+                "-Xmx256m",
+                "-cp",
+                str(ZOOKEEPER_JAR),
+                "org.apache.zookeeper.server.ZooKeeperServerMain",
+                str(config),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=home,
+        )
+    try:
+
+        def serving() -> bool:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
+                conn.sendall(b"srvr")
+                return b"Mode" in conn.recv(4096)
+
+        _wait_until(serving, "ZooKeeper", process)
+        yield {"hosts": f"127.0.0.1:{port}", "path": f"/lockbench/{uuid.uuid4().hex[:8]}"}
+    finally:
+        _stop(process)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def etcd_server() -> Iterator[dict[str, Any]]:
+    """A one-member etcd on free ports, in a temp dir removed afterwards."""
+    home = Path(tempfile.mkdtemp(prefix="lockbench-etcd-"))
+    client, peer = free_port(), free_port()
+    client_url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    with (home / "server.log").open("wb") as log:
+        process = subprocess.Popen(
+            [
+                "etcd",
+                "--name=lockbench",
+                f"--data-dir={home / 'data'}",
+                f"--listen-client-urls={client_url}",
+                f"--advertise-client-urls={client_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=lockbench={peer_url}",
+                "--initial-cluster-state=new",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=home,
+        )
+    try:
+
+        def healthy() -> bool:
+            conn = http.client.HTTPConnection("127.0.0.1", client, timeout=2)
+            try:
+                conn.request("GET", "/health")
+                return b"true" in conn.getresponse().read()
+            finally:
+                conn.close()
+
+        _wait_until(healthy, "etcd", process)
+        yield {"host": "127.0.0.1", "port": client}
+    finally:
+        _stop(process)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- runner
+
+
+def run(
+    systems: list[str],
+    *,
+    service_url: str | None,
+    admin_url: str | None,
+    uncontended: int,
+    handovers: int,
+    say: Callable[[str], None],
+    idle_release_s: Sequence[float] = (),
+    floor: dict[str, float] | None = None,
+) -> tuple[list[SystemResult], dict[str, str]]:
+    """Measure each system in turn; returns the results and the skipped peers' reasons.
+
+    With the library, ``floor["pulsar_two_sends_p50_ms"]`` gets :func:`two_sends_p50_ms`.
+
+    Each ``idle_release_s`` adds a run of the library with that manager setting (how long a
+    process keeps the topic's writer after its last write), labelled with it.
+    """
+    results: list[SystemResult] = []
+    skipped: dict[str, str] = {}
+    for system in systems:
+        if system == "library":
+            broker = provide_broker(service_url, admin_url)
+            try:
+                variants: list[tuple[str, dict[str, Any]]] = [("library", {})]
+                variants += [
+                    (f"library idle_release_s={idle:g}", {"idle_release_s": idle})
+                    for idle in idle_release_s
+                ]
+                for label, options in variants:
+                    target = {
+                        "service_url": broker.service_url,
+                        "admin_url": broker.admin_url,
+                        "topic": f"persistent://public/default/lockbench-{uuid.uuid4().hex[:8]}",
+                        "options": options,
+                    }
+                    say(f"... {label} (Ownership)")
+                    results.append(measure(system, target, uncontended, handovers, label))
+                if floor is not None:
+                    say("... raw pulsar-client: two sequential sends (the floor)")
+                    floor["pulsar_two_sends_p50_ms"] = two_sends_p50_ms(
+                        broker.service_url, uncontended
+                    )
+            finally:
+                broker.stop()
+            continue
+        missing = zookeeper_missing() if system == "zookeeper" else etcd_missing()
+        if missing:
+            say(f"... {system}: SKIPPED: {missing}")
+            skipped[system] = missing
+            continue
+        say(f"... {system}")
+        server = zookeeper_server() if system == "zookeeper" else etcd_server()
+        with server as target:
+            results.append(measure(system, target, uncontended, handovers))
+    return results, skipped
+
+
+def metrics(results: list[SystemResult], skipped: dict[str, str]) -> list[Metric]:
+    """The library against the faster peer, one Metric per figure."""
+    by_system = {r.system: r for r in results}
+    library = by_system.get("library")
+    peers = [r for r in results if not r.system.startswith("library")]
+    if library is None:
+        return []
+    out = []
+    for field_name, label in (
+        ("uncontended_p50_ms", "lock acquire+release uncontended p50"),
+        ("uncontended_p99_ms", "lock acquire+release uncontended p99"),
+        ("handover_p50_ms", "lock handover to a waiting process p50"),
+        ("handover_p99_ms", "lock handover to a waiting process p99"),
+    ):
+        mine = float(getattr(library, field_name))
+        details: dict[str, Any] = {r.system: getattr(r, field_name) for r in results}
+        details["load average"] = os.getloadavg()[0]
+        details.update({f"{name} skipped": why for name, why in skipped.items()})
+        if peers:
+            best = min(peers, key=lambda r: float(getattr(r, field_name)))
+            baseline = float(getattr(best, field_name))
+            note = f"baseline: the faster peer ({best.system})"
+        else:
+            baseline, note = 0.0, "no peer measured"
+        out.append(
+            Metric(
+                label,
+                "ms",
+                mine,
+                baseline,
+                "<= the faster peer",
+                bool(peers) and mine <= baseline,
+                ratio=mine / baseline if baseline else 0.0,
+                note=note,
+                details=details,
+            )
+        )
+    return out
+
+
+def side_by_side(results: list[SystemResult]) -> str:
+    width = max([12, *(len(r.system) for r in results)])
+    lines = [
+        f"{'system':<{width}} {'acq+rel p50':>12} {'acq+rel p99':>12} "
+        f"{'handover p50':>13} {'handover p99':>13}  rounds (alone/handover)"
+    ]
+    for r in results:
+        lines.append(
+            f"{r.system:<{width}} {r.uncontended_p50_ms:>9.2f} ms {r.uncontended_p99_ms:>9.2f} ms "
+            f"{r.handover_p50_ms:>10.2f} ms {r.handover_p99_ms:>10.2f} ms  "
+            f"{r.uncontended_rounds}/{r.handover_rounds}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--only", nargs="*", choices=SYSTEMS)
+    parser.add_argument("--uncontended", type=int, help="acquire+release rounds per system")
+    parser.add_argument("--handovers", type=int, help="handover rounds per system")
+    parser.add_argument(
+        "--idle-release-s",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also run the library with these idle_release_s settings",
+    )
+    parser.add_argument("--pulsar-url", default=os.environ.get("PULSAR_SERVICE_URL"))
+    parser.add_argument("--pulsar-admin-url", default=os.environ.get("PULSAR_ADMIN_URL"))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results.json"))
+    args = parser.parse_args(argv)
+    uncontended = args.uncontended or (100 if args.quick else 500)
+    handovers = args.handovers or (30 if args.quick else 200)
+    systems = args.only or list(SYSTEMS)
+    floor: dict[str, float] = {}
+    results, skipped = run(
+        systems,
+        service_url=args.pulsar_url,
+        admin_url=args.pulsar_admin_url,
+        uncontended=uncontended,
+        handovers=handovers,
+        say=lambda line: print(line, file=sys.stderr, flush=True),
+        idle_release_s=args.idle_release_s,
+        floor=floor,
+    )
+    print(side_by_side(results))
+    for name, value in floor.items():
+        print(f"{name}: {value:.2f} ms")
+    found = metrics(results, skipped)
+    if found:
+        print()
+        print(table(found))
+    for system, why in skipped.items():
+        print(f"skipped {system}: {why}")
+    out = Path(args.out)
+    document: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    document["locks"] = {
+        "mode": "quick" if args.quick else "full",
+        # Other work on this machine's 2 cores shows in the tails: record how busy it was.
+        "environment": {**environment(), "load_average_1m": os.getloadavg()[0]},
+        "systems": [asdict(r) for r in results],
+        "skipped": skipped,
+        "floor": floor,
+        "metrics": [asdict(m) for m in found],
+    }
+    out.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"\nwrote the locks section of {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The lock benchmark's harness (benchmarks/locks.py) still runs: the library only, a few
+rounds, so the script does not rot. The peers (ZooKeeper, etcd) are not started here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import locks
+from pulsar_state.testing import Broker
+
+
+@pytest.mark.slow
+def test_library_rounds_through_the_cli(broker: Broker, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps({"mode": "quick", "metrics": ["kept"]}))
+    code = locks.main(
+        [
+            "--only",
+            "library",
+            "--uncontended",
+            "5",
+            "--handovers",
+            "3",
+            "--pulsar-url",
+            broker.service_url,
+            "--pulsar-admin-url",
+            broker.admin_url,
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    document = json.loads(out.read_text())
+    assert document["metrics"] == ["kept"]  # run.py's section is left alone
+    [library] = document["locks"]["systems"]
+    assert library["system"] == "library"
+    assert library["uncontended_rounds"] == 5
+    assert library["handover_rounds"] == 3
+    # A handover is measured from the holder's release to the waiter's grant: never negative,
+    # and it includes at least the release record's round trip.
+    assert 0 < library["handover_p50_ms"] <= library["handover_p99_ms"]
+    assert 0 < library["uncontended_p50_ms"] <= library["uncontended_p99_ms"]
+    # No peer measured: the metrics say so instead of claiming the target.
+    assert all(
+        not m["met"] and m["note"] == "no peer measured" for m in document["locks"]["metrics"]
+    )
+
+
+def result(system: str, p50: float) -> locks.SystemResult:
+    return locks.SystemResult(system, p50, p50 * 2, p50 * 10, p50 * 20, 10, 10)
+
+
+def test_metrics_compare_with_the_faster_peer() -> None:
+    found = locks.metrics(
+        [result("library", 3.0), result("zookeeper", 2.0), result("etcd", 4.0)],
+        {},
+    )
+    uncontended = found[0]
+    assert uncontended.name == "lock acquire+release uncontended p50"
+    assert uncontended.baseline == 2.0
+    assert uncontended.note == "baseline: the faster peer (zookeeper)"
+    assert not uncontended.met
+    assert uncontended.details["etcd"] == 4.0
+
+
+def test_metrics_with_a_skipped_peer_and_library_variants() -> None:
+    found = locks.metrics(
+        [result("library", 3.0), result("library idle_release_s=0.01", 1.0), result("etcd", 4.0)],
+        {"zookeeper": "no ZooKeeper"},
+    )
+    assert [m.baseline for m in found][:1] == [4.0]  # a library variant is no peer
+    assert found[0].met
+    assert found[0].details["zookeeper skipped"] == "no ZooKeeper"
