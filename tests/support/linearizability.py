@@ -72,7 +72,8 @@ class Operation:
     ``call`` and ``ret`` are invocation and completion times on a clock shared by every
     recording process (any unit, ints or floats). ``ret is None`` means the outcome is
     unknown (crash or timeout): the operation may have taken effect at any instant after
-    ``call``, or never, and ``result`` is meaningless.
+    ``call``, or never, and ``result`` is meaningless. ``op_id`` is the recorder's id of the
+    operation (empty when not recorded), to match it with what the system under test stored.
     """
 
     process: str
@@ -82,6 +83,7 @@ class Operation:
     result: Any
     call: float
     ret: float | None
+    op_id: str = ""
 
     def __post_init__(self) -> None:
         if self.ret is not None and self.ret < self.call:
@@ -634,6 +636,7 @@ def load_history(paths: Iterable[str | os.PathLike[str]]) -> list[Operation]:
                 result=_freeze(done.get("result")) if completed else None,
                 call=inv["time"],
                 ret=done["time"] if completed else None,
+                op_id=op_id,
             )
         )
     history.sort(key=lambda op: op.call)
