@@ -10,7 +10,7 @@ import pytest
 from benchmarks.chaos import FAULT_KINDS, run_chaos
 from tests.support.broker import Broker
 
-pytestmark = [pytest.mark.fault, pytest.mark.slow]
+pytestmark = [pytest.mark.fault, pytest.mark.slow, pytest.mark.chaos]
 
 
 def test_one_minute_of_chaos(broker: Broker, tmp_path: Path) -> None:
