@@ -54,6 +54,10 @@ async def replay_to_tail(
             snapshot_position=snapshot.position if snapshot else None,
             snapshot_bytes=snapshot.size if snapshot else 0,
         )
+        if done:
+            stats.replay_progress = 1.0
+        elif records_total:
+            stats.replay_progress = min(1.0, progress.records_read / records_total)
         if not done:
             logger.info(
                 "replaying %s: %d/%s records, %.1f/%s MB, %.0fs",

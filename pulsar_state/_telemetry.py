@@ -122,6 +122,11 @@ GAUGES: dict[str, tuple[str, str, Callable[[ManagerStats], float | None]]] = {
         "How long this replica took to reach the tail at its newest tail capture.",
         lambda s: s.tail_lag_seconds,
     ),
+    "pulsar_state.replay.progress": (
+        "1",
+        "Share of the opening replay's records read (1 once open).",
+        lambda s: s.replay_progress,
+    ),
     "pulsar_state.snapshot.age": (
         "s",
         "Seconds since this manager wrote its newest snapshot.",

@@ -137,6 +137,9 @@ class ManagerStats:
     # replica was behind, and how long it took to reach the tail.
     tail_lag_records: int | None = None
     tail_lag_seconds: float | None = None
+    # The opening replay: the share of its records read (1.0 once open; None while the
+    # number of records to read is not known).
+    replay_progress: float | None = None
     history_trims: int = 0  # times this manager moved the trim point (trim_history)
     fell_forward: int = 0  # times this replica, behind a trimmed log, loaded a snapshot
 

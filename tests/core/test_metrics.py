@@ -122,6 +122,7 @@ def test_counters_add_up_across_processes(broker: Broker, topic: str) -> None:
         )
         assert sample["pulsar_state_apply_duration_seconds_count"] == applied
         assert sample["pulsar_state_tail_lag_records"] >= 0
+        assert sample["pulsar_state_replay_progress"] == 1.0
         assert sample["pulsar_state_tail_lag_duration_seconds"] >= 0
         assert "pulsar_state_writes_failed_total" not in sample  # nothing failed
     sent = sum(sample["pulsar_state_records_sent_total"] for sample in after)

@@ -65,6 +65,7 @@ def test_an_sdk_collects_the_managers_metrics(broker: Broker, topic: str) -> Non
     assert found["pulsar_state.halted"] == 0
     assert found["pulsar_state.writer.acquisitions"] == 1
     assert found["pulsar_state.tail_lag.records"] >= 0
+    assert found["pulsar_state.replay.progress"] == 1.0  # open: the replay is done
     assert "pulsar_state.snapshot.age" not in found  # unknown: no sample, no sentinel
     assert "pulsar_state.writes.failed" not in found
 
