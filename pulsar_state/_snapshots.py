@@ -51,6 +51,9 @@ __all__ = ["SnapshotPolicy", "SnapshotStore", "digest_of"]
 
 logger = logging.getLogger(__name__)
 
+# How long the log is asked for a message the admin tail says is not there.
+_ABSENT_CHECK_S = 2.0
+
 S = TypeVar("S")
 
 
@@ -170,12 +173,19 @@ class SnapshotStore:
         the caller compares the position returned with the one it asked for.
         """
         tail = await self._admin.last_position(self.state_topic)
-        if tail is None or (at is not None and tail < at):
-            return None
+        # The admin tail can lag just after the topic moved to a new ledger (an unload, a
+        # rollover): "nothing there" from it is only a hint, so the log itself is asked then,
+        # briefly. A message found proves the position; none within the bound means none.
+        absent_hint = tail is None or (at is not None and tail < at)
+        wait_s = min(self._timeout_s, _ABSENT_CHECK_S) if absent_hint else self._timeout_s
         reader = await self.conn.create_reader(str(self.state_topic), at=at)
         try:
-            async with asyncio.timeout(self._timeout_s):
+            async with asyncio.timeout(wait_s):
                 message = await reader.read_next()
+        except TimeoutError:
+            if absent_hint:
+                return None
+            raise
         finally:
             await reader.close()
         message_id = str(message.position)

