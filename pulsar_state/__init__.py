@@ -28,6 +28,7 @@ from ._errors import (
     WriteOutcomeUnknownError,
     WriterBusyError,
 )
+from ._machine import IMMUTABLE_TYPES
 from ._manager import SharedStateManager
 from ._overlay import DictOverlay
 from ._pulsar import LogPosition
@@ -62,6 +63,7 @@ __all__ = [
     "RecordTooLargeError",
     "ReplayProgress",
     "ReplicaHaltedError",
+    "IMMUTABLE_TYPES",
     "STATE_MACHINE_OPTIONS",
     "SchemaMismatchError",
     "SharedStateManager",

@@ -20,7 +20,7 @@ from ._errors import ApplyError, CodecError, CorruptRecordError
 from ._overlay import DictOverlay
 from ._pulsar import LogPosition
 
-__all__ = ["DEFAULT_COPY", "MutatedInPlaceError", "StateMachine"]
+__all__ = ["DEFAULT_COPY", "IMMUTABLE_TYPES", "MutatedInPlaceError", "StateMachine"]
 
 S = TypeVar("S")
 Op = TypeVar("Op")
@@ -36,7 +36,7 @@ class _DefaultCopy:
 DEFAULT_COPY: Final[Any] = _DefaultCopy()
 
 # Values that nothing can change in place: an overlay shares them instead of copying them.
-_IMMUTABLE_TYPES = frozenset(
+IMMUTABLE_TYPES: Final[frozenset[type]] = frozenset(
     {
         str,
         bytes,
@@ -58,7 +58,7 @@ _IMMUTABLE_TYPES = frozenset(
 def _private_copy(value: Any) -> Any:
     # What the default overlay does to a value read from the live dict: apply may change it
     # in place (append to a list), so the trial works on its own copy of that value only.
-    return value if type(value) in _IMMUTABLE_TYPES else copy.deepcopy(value)
+    return value if type(value) in IMMUTABLE_TYPES else copy.deepcopy(value)
 
 
 class MutatedInPlaceError(Exception):

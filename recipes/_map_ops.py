@@ -7,11 +7,8 @@ replica and on the writer's trial state, so it is deterministic and never does I
 from __future__ import annotations
 
 import copy
-import datetime
-import decimal
 import io
 import struct
-import uuid
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, NoReturn, TypeVar, cast
@@ -19,7 +16,7 @@ from typing import Any, Generic, Literal, NoReturn, TypeVar, cast
 import fastavro
 from sortedcontainers import SortedKeyList, SortedList
 
-from pulsar_state import AvroCodec, Codec, CodecError, DictOverlay
+from pulsar_state import IMMUTABLE_TYPES, AvroCodec, Codec, CodecError, DictOverlay
 
 __all__ = [
     "KEY_TYPES",
@@ -142,23 +139,8 @@ class KeyOrder(Generic[K]):
         return iter(keys.irange(low, high, inclusive=(True, False)))
 
 
-# Values nothing can change in place: handed out as they are.
-_IMMUTABLE_TYPES = frozenset(
-    {
-        str,
-        bytes,
-        int,
-        float,
-        bool,
-        type(None),
-        decimal.Decimal,
-        uuid.UUID,
-        datetime.date,
-        datetime.datetime,
-        datetime.time,
-        datetime.timedelta,
-    }
-)
+# Values nothing can change in place (the core's list): handed out as they are.
+_IMMUTABLE_TYPES = IMMUTABLE_TYPES
 
 _READ_ONLY = (
     "a value read from a PulsarMap is read-only (shared with the replica); "
