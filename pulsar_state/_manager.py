@@ -21,19 +21,18 @@ How it works, in brief (the README has the long form):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from . import _telemetry
-from ._admin import AdminClient, HeaderSource, TopicName, admin_ssl_context, resolve_admin_url
-from ._bootstrap import replay_to_tail
+from ._admin import AdminClient, HeaderSource, TopicName, resolve_admin_url
+from ._assembly import Assembly, OpenOptions, close_budget
 from ._codecs import Codec, JsonCodec
 from ._context import Context, Settings, Tunables
+from ._credentials import admin_client, check_admin_headers, secured_client_options
 from ._envelope import SnapshotManifest
 from ._errors import (
     ClosedError,
@@ -44,14 +43,10 @@ from ._errors import (
 )
 from ._machine import DEFAULT_COPY, StateMachine
 from ._pending import PendingWrites
-from ._pulsar import PulsarConnection, client_authentication
-from ._records import RecordBuilder
-from ._replica import Replica
-from ._retry import retry_transient
-from ._snapshots import SnapshotPolicy, SnapshotStore
+from ._replica import Replica, subscribe
+from ._snapshots import SnapshotPolicy
 from ._tail import Tail
 from ._types import AppliedRecord, ManagerStats, OnCorrupt, ReplayProgress, WriteResult
-from ._writer import Writer
 
 __all__ = ["SharedStateManager", "close_budget"]
 
@@ -60,93 +55,6 @@ logger = logging.getLogger(__name__)
 S = TypeVar("S")
 Op = TypeVar("Op")
 T = TypeVar("T")
-
-
-# Each teardown step of a close (writer, reader, tail consumer, snapshot store, admin client,
-# Pulsar client) gets at least this long even when the close's budget is used up, so that
-# nothing is left open for lack of time; a close takes at most ``close_budget(timeout)``.
-_TEARDOWN_FLOOR_S = 1.0
-_TEARDOWN_STEPS = 6
-
-
-def close_budget(timeout: float) -> float:
-    """The longest ``aclose(timeout=timeout)`` can take (a blocking caller's bound)."""
-    return timeout + _TEARDOWN_STEPS * _TEARDOWN_FLOOR_S
-
-
-async def _bounded(step: Awaitable[None], timeout: float) -> None:
-    """One step of a close, given up after ``timeout``: a silent broker cannot hang a close."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout):  # unlike 3.11's wait_for, never eats a cancel
-            await step
-
-
-async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-
-
-def _secured_client_options(
-    client_options: dict[str, Any] | None,
-    authentication: Any,
-    trust_certs: str | None,
-    validate_hostname: bool | None,
-) -> dict[str, Any]:
-    """``client_options`` plus the binary client's credentials and TLS settings."""
-    options = dict(client_options or {})
-    binary_auth, _token = client_authentication(authentication)
-    if binary_auth is not None:
-        if "authentication" in options:
-            raise ConfigurationError(
-                "authentication given twice: pass it as authentication= only (it covers the "
-                "admin REST calls too), not also in client_options"
-            )
-        options["authentication"] = binary_auth
-    for key, value in (
-        ("tls_trust_certs_file_path", trust_certs),
-        ("tls_validate_hostname", validate_hostname),
-    ):
-        if value is None:
-            continue
-        if key in options and options[key] != value:
-            raise ConfigurationError(
-                f"{key} given twice, differently (argument and client_options)"
-            )
-        options[key] = value
-    trust = options.get("tls_trust_certs_file_path")
-    if trust is not None and not (isinstance(trust, str) and os.path.isfile(trust)):
-        raise ConfigurationError(f"tls_trust_certs_file_path={trust!r} is not a readable file")
-    if not isinstance(options.get("tls_validate_hostname", False), bool):
-        raise ConfigurationError("tls_validate_hostname must be True or False")
-    return options
-
-
-def _check_admin_headers(admin_headers: HeaderSource | None) -> None:
-    if admin_headers is not None and not (
-        callable(admin_headers) or isinstance(admin_headers, dict)
-    ):
-        raise ConfigurationError(
-            "admin_headers= takes a dict of headers or a function returning one, not "
-            f"{type(admin_headers).__name__}"
-        )
-
-
-def _admin_client(
-    admin_url: str,
-    authentication: Any,
-    admin_headers: HeaderSource | None,
-    client_options: dict[str, Any],
-) -> AdminClient:
-    """The admin REST client with the same credentials and trust as the binary client."""
-    _binary_auth, token = client_authentication(authentication)
-    context = None
-    if admin_url.lower().startswith("https:"):
-        context = admin_ssl_context(
-            client_options.get("tls_trust_certs_file_path"),
-            bool(client_options.get("tls_validate_hostname", False)),
-        )
-    return AdminClient(admin_url, token=token, headers_source=admin_headers, ssl_context=context)
 
 
 class SharedStateManager(Tunables, Generic[S, Op]):
@@ -278,28 +186,29 @@ class SharedStateManager(Tunables, Generic[S, Op]):
     ) -> None:
         if on_corrupt not in ("halt", "skip"):
             raise ConfigurationError(f"on_corrupt must be 'halt' or 'skip', not {on_corrupt!r}")
-        if trim_history and snapshot_codec is None:
-            raise ConfigurationError(
-                "trim_history needs snapshot_codec= (it trims behind snapshots)"
-            )
-        if keep_snapshots < 1:
-            raise ConfigurationError(f"keep_snapshots must be at least 1, not {keep_snapshots}")
-        self._trim_history = trim_history
-        self._keep_snapshots = keep_snapshots
         self.topic = TopicName.parse(topic)
-        self._pulsar_arg = pulsar
-        client_options = _secured_client_options(
+        client_options = secured_client_options(
             client_options, authentication, tls_trust_certs_file_path, tls_validate_hostname
         )
-        _check_admin_headers(admin_headers)
+        options = OpenOptions(
+            pulsar=pulsar,
+            client_options=client_options,
+            check_topic=check_topic,
+            trim_history=trim_history,
+            keep_snapshots=keep_snapshots,
+            snapshot_codec=snapshot_codec,
+            snapshot_chunk_bytes=snapshot_chunk_bytes,
+            load_snapshot=load_snapshot,
+            on_progress=on_progress,
+        )
+        check_admin_headers(admin_headers)
         # The admin REST client only where it is needed: the tail comes over the binary protocol.
         self._admin: AdminClient | None = None
         if admin_url is not None or check_topic or snapshot_codec is not None:
-            self._admin = _admin_client(
+            self._admin = admin_client(
                 resolve_admin_url(pulsar, admin_url), authentication, admin_headers, client_options
             )
         self._tail = Tail(self.topic, self._admin)
-        self._check_topic = check_topic
         self._settings = Settings(
             idle_release_s=idle_release_s,
             max_hold_s=max_hold_s,
@@ -314,11 +223,8 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             snapshot_every_records=snapshot_every_records,
             snapshot_every_bytes=snapshot_every_bytes,
         )
-        self._on_progress = on_progress
         self._client_options = client_options
         self._snapshot_codec = snapshot_codec
-        self._snapshot_chunk_bytes = snapshot_chunk_bytes
-        self._load_snapshot = load_snapshot
         self.writer_id = f"{name + '-' if name else ''}{uuid.uuid4().hex[:12]}"
         self.stats = ManagerStats()
         self._context = Context(self.topic, self.writer_id, self._settings, self.stats)
@@ -340,13 +246,8 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         self._replica.on_halt.append(self._pending.fail_queued)
         # In flight too: nothing will settle them now (they would wait for their deadline).
         self._replica.on_halt.append(self._pending.fail_in_flight)
-        self._snapshots: SnapshotPolicy[S] | None = None
-        self._store: SnapshotStore | None = None
-        self._conn: PulsarConnection | None = None
-        self._owns_conn = False
-        self._writer: Writer | None = None
-        self._tasks: list[asyncio.Task[None]] = []  # writer, deadlines (the pump is apart)
-        self._pump_task: asyncio.Task[None] | None = None
+        parts = (self._context, self._machine, self._replica, self._pending, self._tail)
+        self._parts: Assembly[S, Op] = Assembly(options, *parts, self._admin)
         self._opened = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -391,123 +292,12 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             raise
 
     async def _open(self, deadline: float) -> None:
-        if isinstance(self._pulsar_arg, str):
-            self._conn = PulsarConnection(
-                self._pulsar_arg,
-                operation_timeout_s=self.write_timeout_s,
-                client_options=self._client_options,
-            )
-            self._owns_conn = True
-        else:
-            self._conn = PulsarConnection.wrap(self._pulsar_arg)
-        conn, topic, replica = self._conn, str(self.topic), self._replica
-        admin = self._admin
-        if admin is not None:
-            # A pulsar.Authentication object's credentials stay inside the C++ client.
-            rest_blind = not admin.authenticated and "authentication" in (
-                self._client_options or {}
-            )
-            if rest_blind:
-                logger.warning(
-                    "the Pulsar client of %s has credentials but the admin REST calls to %s "
-                    "have none (a pulsar.Authentication object cannot lend them): they will be "
-                    "refused on a secured cluster. Pass a token as authentication= or the "
-                    "REST headers as admin_headers=",
-                    topic,
-                    admin.admin_url,
-                )
-            if self._check_topic or not rest_blind:
-                # Refused credentials fail here at once; the binary client only times out.
-                await retry_transient(
-                    lambda: admin.check_access(self.topic, refuse_partitioned=self._check_topic),
-                    deadline=deadline,
-                    what=f"checking access to {topic}",
-                )
-        # Each step is retried on transient failures (a broker restarting) up to the deadline;
-        # each is idempotent. Creating the reader also creates the topic, so policies exist.
-        await retry_transient(
-            lambda: replica.attach(conn), deadline=deadline, what=f"opening a reader on {topic}"
-        )
-        await retry_transient(
-            lambda: self._tail.attach(conn, name=self.writer_id),
-            deadline=deadline,
-            what=f"opening the tail probe on {topic}",
-        )
-        if self._check_topic:
-            assert admin is not None  # required with check_topic (see __init__)
-            await retry_transient(
-                lambda: admin.check_policies(self.topic, trimmed=self._trim_history),
-                deadline=deadline,
-                what=f"checking the policies of {topic}",
-            )
-        if (codec := self._snapshot_codec) is not None:
-            assert self._admin is not None  # required with snapshots (see __init__)
-            store = SnapshotStore(
-                conn,
-                self._admin,
-                self.topic,
-                chunk_bytes=self._snapshot_chunk_bytes,
-                timeout_s=self.open_timeout_s,
-            )
-            self._store = store
-            if self._trim_history:
-                await retry_transient(
-                    lambda: store.hold(name=self.writer_id),
-                    deadline=deadline,
-                    what=f"holding the snapshot topics of {topic}",
-                )
-            start = SnapshotPolicy[S].start
-            self._snapshots = await retry_transient(
-                lambda: start(
-                    self._context,
-                    store,
-                    codec,
-                    replica,
-                    self._machine.full_copy,
-                    load=self._load_snapshot,
-                    trim_log=self._tail.trim_through if self._trim_history else None,
-                    keep_snapshots=self._keep_snapshots,
-                ),
-                deadline=deadline,
-                what="loading a snapshot",
-            )
-        if self._trim_history and self._snapshots is not None:
-            replica.fall_forward = self._snapshots.fall_forward
-        self._pump_task = asyncio.create_task(replica.pump(), name=f"pulsar-state-pump-{topic}")
-        await retry_transient(
-            lambda: replay_to_tail(
-                replica,
-                self._tail,
-                self._admin,
-                self.topic,
-                self.stats,
-                snapshot=self._snapshots.loaded if self._snapshots else None,
-                on_progress=self._on_progress,
-            ),
-            deadline=deadline,
-            what=f"replaying {topic} to its tail",
-        )
-        self._check_usable()  # the replay may have stopped at a bad record: refuse to open
-        self._writer = Writer(
-            self._context,
-            conn,
-            self._tail,
-            self._pending,
-            replica,
-            RecordBuilder(self._machine, self.writer_id, self._settings),
-            after_batch=self._snapshots.after_batch if self._snapshots else lambda: None,
-        )
-        self._tasks = [
-            asyncio.create_task(self._writer.run(), name=f"pulsar-state-writer-{topic}"),
-            asyncio.create_task(
-                self._pending.watch_deadlines(), name=f"pulsar-state-deadlines-{topic}"
-            ),
-        ]
+        await self._parts.open(deadline)
         _telemetry.track(self)
         logger.info(
             "opened %s at position %d (%d records read)",
-            topic,
-            replica.version,
+            self.topic,
+            self._replica.version,
             self.stats.records_read,
         )
 
@@ -522,44 +312,12 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             return
         self._context.closed = True
         _telemetry.untrack(self)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-
-        def left(floor: float = 0.0) -> float:
-            return max(floor, deadline - loop.time())
-
-        closed = ClosedError(f"manager on {self.topic} is closed")
-        self._pending.fail_queued(closed)
-        self._pending.wake.set()  # the writer loop sees closed and ends
-        # Give writes already sent a moment to be seen, so their callers learn the outcome.
-        await self._pending.settle_in_flight(min(left(), 5.0))
-        if self._snapshots is not None:
-            await self._snapshots.settle(left())
-        for task in self._tasks:
-            await _cancel(task)
-        if self._snapshots is not None:
-            await self._snapshots.cancel()
-        # Every step is bounded: a broker that does not answer cannot hang a close.
-        if self._writer is not None:
-            await _bounded(self._writer.release(), left(_TEARDOWN_FLOOR_S))
-        await self._replica.close_reader(left(_TEARDOWN_FLOOR_S))
-        if self._pump_task is not None:
-            await _cancel(self._pump_task)
-        self._pending.fail_in_flight()
-        self._pending.fail_queued(closed)  # anything requeued while closing
-        self._replica.fail_waiters(closed)
-        await _bounded(self._tail.close(), left(_TEARDOWN_FLOOR_S))
-        if self._store is not None:
-            await _bounded(self._store.close(), left(_TEARDOWN_FLOOR_S))
-        if self._admin is not None:
-            await _bounded(self._admin.close(), left(_TEARDOWN_FLOOR_S))
-        if self._conn is not None and self._owns_conn:
-            await _bounded(self._conn.close(), left(_TEARDOWN_FLOOR_S))
+        await self._parts.close(timeout)
         logger.debug("closed manager on %s", self.topic)
 
     def _check_usable(self) -> None:
         self._replica.check_running()  # halted or closed
-        if self._conn is None:  # set first thing in _open
+        if self._parts.conn is None:  # set first thing in open()
             raise ClosedError(f"manager on {self.topic} is not open: use `async with` or open()")
 
     # ------------------------------------------------------------------ public API
@@ -602,14 +360,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         (``trim_history``). A view holding the state object must read it again
         (``read_local``); the changes between the old and the new state are not known.
         Returns an unsubscribe."""
-        hooks = self._replica.on_state_replaced
-        hooks.append(listener)
-
-        def unsubscribe() -> None:
-            if listener in hooks:
-                hooks.remove(listener)
-
-        return unsubscribe
+        return subscribe(self._replica.on_state_replaced, listener)
 
     def add_halt_listener(
         self, listener: Callable[[ReplicaHaltedError], None]
@@ -617,14 +368,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         """Call ``listener`` once when this replica halts (on the event loop, with the error
         every later call raises); returns an unsubscribe. For views that serve reads without
         a call into the manager and must stop doing so at a halt."""
-        hooks = self._replica.on_halt
-        hooks.append(listener)
-
-        def unsubscribe() -> None:
-            if listener in hooks:
-                hooks.remove(listener)
-
-        return unsubscribe
+        return subscribe(self._replica.on_halt, listener)
 
     async def read(
         self, reader: Callable[[S], T], *, latest: bool = False, timeout: float | None = None
@@ -712,9 +456,11 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         process is writing a snapshot of this topic at the same moment.
         """
         self._check_usable()
-        if self._snapshots is None:
+        if self._parts.snapshots is None:
             raise ConfigurationError("snapshots need snapshot_codec= (state <-> bytes)")
-        return await self._snapshots.take(self.write_timeout_s if timeout is None else timeout)
+        return await self._parts.snapshots.take(
+            self.write_timeout_s if timeout is None else timeout
+        )
 
     # ------------------------------------------------------------------ test-only peeks
 
@@ -729,3 +475,11 @@ class SharedStateManager(Tunables, Generic[S, Op]):
     @property
     def _deadlines(self) -> list[Any]:
         return self._pending.deadlines
+
+    @property
+    def _snapshots(self) -> SnapshotPolicy[S] | None:
+        return self._parts.snapshots
+
+    @property
+    def _pump_task(self) -> asyncio.Task[None] | None:
+        return self._parts.pump_task

@@ -37,12 +37,13 @@ from ._telemetry import observe_apply
 from ._types import AppliedRecord, OnCorrupt
 from ._waiters import Waiters
 
-__all__ = ["Claim", "Replica", "RecordOwner"]
+__all__ = ["Claim", "Replica", "RecordOwner", "subscribe"]
 
 logger = logging.getLogger(__name__)
 
 S = TypeVar("S")
 Op = TypeVar("Op")
+H = TypeVar("H")
 
 # Pause before replacing a reader that failed for good (the client reconnects by itself).
 _REOPEN_PAUSE_S = 0.5
@@ -483,14 +484,19 @@ class Replica(Generic[S, Op]):
 
     def add_listener(self, listener: Callable[[AppliedRecord[Op]], None]) -> Callable[[], None]:
         """Register ``listener`` for each accepted record; returns its unsubscribe."""
-        self.listeners.append(listener)
-
-        def remove() -> None:
-            with contextlib.suppress(ValueError):
-                self.listeners.remove(listener)
-
-        return remove
+        return subscribe(self.listeners, listener)
 
     def fail_waiters(self, error: BaseException) -> None:
         self._log_waiters.fail(error)
         self._version_waiters.fail(error)
+
+
+def subscribe(hooks: list[H], hook: H) -> Callable[[], None]:
+    """Add ``hook`` to ``hooks``; returns its unsubscribe (safe to call twice)."""
+    hooks.append(hook)
+
+    def unsubscribe() -> None:
+        with contextlib.suppress(ValueError):
+            hooks.remove(hook)
+
+    return unsubscribe

@@ -59,3 +59,10 @@ __all__ = [
     "sync_fenced_transact",
     "thaw",
 ]
+
+# Public objects report the public package (``recipes.MapVersion``, not
+# ``recipes._map_ops.MapVersion``) in reprs, tracebacks and docs, as pulsar_state's do.
+for _name in __all__:
+    if hasattr(globals()[_name], "__module__"):
+        globals()[_name].__module__ = __name__
+del _name

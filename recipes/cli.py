@@ -51,8 +51,8 @@ from pulsar_state import (
     StrCodec,
 )
 from pulsar_state._admin import AdminClient, TopicName, default_admin_url
+from pulsar_state._credentials import secured_client_options
 from pulsar_state._envelope import decode_record
-from pulsar_state._manager import _secured_client_options
 from pulsar_state._pulsar import LogMessage, read_log
 
 from ._map_ops import MapVersion
@@ -650,7 +650,7 @@ def _read_all(settings: Settings, topic: str, limit: int | None = None) -> Itera
         topic,
         limit=limit,
         timeout_s=settings.timeout,
-        client_options=_secured_client_options(None, settings.auth_token, None, None),
+        client_options=secured_client_options(None, settings.auth_token, None, None),
     )
 
 
@@ -877,7 +877,7 @@ async def _with_snapshots(settings: Settings, use: Callable[[Any], Awaitable[T]]
     conn = PulsarConnection(
         settings.service_url,
         operation_timeout_s=settings.timeout,
-        client_options=_secured_client_options(None, settings.auth_token, None, None),
+        client_options=secured_client_options(None, settings.auth_token, None, None),
     )
     admin = settings.admin()
     try:

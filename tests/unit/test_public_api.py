@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import pulsar_state
+import recipes
 
 PUBLIC = [
     name
@@ -53,3 +54,18 @@ def test_only_one_module_imports_pulsar() -> None:
             if any(name == "pulsar" or name.startswith("pulsar.") for name in names):
                 importers.append(str(path.relative_to(repo)))
     assert sorted(set(importers)) == ["pulsar_state/_pulsar.py"]
+
+
+RECIPES_PUBLIC = [name for name in recipes.__all__ if hasattr(getattr(recipes, name), "__module__")]
+
+
+@pytest.mark.parametrize("name", RECIPES_PUBLIC)
+def test_recipes_objects_report_the_public_package(name: str) -> None:
+    assert getattr(recipes, name).__module__ == "recipes"
+
+
+def test_a_recipes_value_pickles_through_the_public_path() -> None:
+    version = pickle.loads(pickle.dumps(recipes.MapVersion.of(7, 3)))
+    assert type(version) is recipes.MapVersion
+    assert (version.position, version.index) == (7, 3)
+    assert repr(recipes.PulsarMap) == "<class 'recipes.PulsarMap'>"
