@@ -113,6 +113,9 @@ TRANSIENT: dict[str, bool] = {
     "ConsumerNotInitialized": True,
     "ProducerQueueIsFull": True,
     "MemoryBufferIsFull": True,
+    # The client's connection broke under a request (C++ ResultDisconnected, a broker killed
+    # mid-call); the Python binding has no name for it (see _RESULT_NAMES).
+    "Disconnected": True,
     # Bad input, configuration, credentials or topic: no retry can fix these.
     "UnknownError": False,
     "InvalidConfiguration": False,
@@ -392,6 +395,19 @@ class RawMessage:
     position: LogPosition
 
 
+# Results of the C++ client that this version of the Python binding's enum does not name
+# (pybind11 calls them "???"): named by their number in the C++ ``pulsar::Result``.
+_RESULT_NAMES = {46: "Disconnected"}
+
+
+def result_name(result: Any) -> str:
+    """The :data:`TRANSIENT` key of a ``pulsar.Result``, also for one the binding cannot name."""
+    name = str(result.name)
+    if name == "???":
+        return _RESULT_NAMES.get(int(result), f"Result {int(result)}")
+    return name
+
+
 def _result_of(exc: BaseException) -> Any | None:
     """Pulsar's result code carried by either flavour of Pulsar exception, else None."""
     if isinstance(exc, pulsar_asyncio.PulsarException):
@@ -412,7 +428,7 @@ def translate(exc: BaseException, context: str, *, creating_writer: bool = False
     if result is None:
         return exc
     error = _library_error(result, f"{context}: {exc}", context, creating_writer=creating_writer)
-    error.retriable = is_transient_cause(result.name)
+    error.retriable = is_transient_cause(result_name(result))
     return error
 
 
@@ -431,9 +447,9 @@ def _library_error(
         return ClosedError(detail)
     if result in (pulsar.Result.TopicNotFound, pulsar.Result.TopicTerminated):
         return TopicError(detail, topic=context)
-    if result in _UNAVAILABLE:
-        return BrokerUnavailableError(detail, result=result.name)
-    return BrokerError(detail, result=result.name)
+    if result in _UNAVAILABLE or result_name(result) == "Disconnected":
+        return BrokerUnavailableError(detail, result=result_name(result))
+    return BrokerError(detail, result=result_name(result))
 
 
 @contextmanager
