@@ -165,7 +165,9 @@ class SnapshotStore:
             )
         return data
 
-    async def log_message(self, at: LogPosition | None) -> tuple[LogPosition, str] | None:
+    async def log_message(
+        self, at: LogPosition | None, *, patient: bool = False
+    ) -> tuple[LogPosition, str] | None:
         """The state topic's message ``at`` a position (None: its first message), as its
         position and fingerprint; None when the topic holds no such message.
 
@@ -175,9 +177,11 @@ class SnapshotStore:
         tail = await self._admin.last_position(self.state_topic)
         # The admin tail can lag just after the topic moved to a new ledger (an unload, a
         # rollover): "nothing there" from it is only a hint, so the log itself is asked then,
-        # briefly. A message found proves the position; none within the bound means none.
+        # briefly (``patient``: as long as any read). A message found proves the position;
+        # none within the bound means none.
         absent_hint = tail is None or (at is not None and tail < at)
-        wait_s = min(self._timeout_s, _ABSENT_CHECK_S) if absent_hint else self._timeout_s
+        brief = absent_hint and not patient
+        wait_s = min(self._timeout_s, _ABSENT_CHECK_S) if brief else self._timeout_s
         reader = await self.conn.create_reader(str(self.state_topic), at=at)
         try:
             async with asyncio.timeout(wait_s):
@@ -191,7 +195,9 @@ class SnapshotStore:
         message_id = str(message.position)
         return message.position, message_fingerprint(message.payload, message_id=message_id)
 
-    async def incarnation_mismatch(self, manifest: SnapshotManifest) -> str | None:
+    async def incarnation_mismatch(
+        self, manifest: SnapshotManifest, *, patient: bool = False
+    ) -> str | None:
         """Why ``manifest`` does not describe the state topic as it is now, or None if it does.
 
         Checked: the covered message is on the topic at its position (ledger ids are never
@@ -203,7 +209,7 @@ class SnapshotStore:
         if manifest.position == 0 and manifest.log_ledger < 0:
             return None  # the empty state: it describes any topic
         covered = LogPosition(manifest.log_ledger, manifest.log_entry)
-        found = await self.log_message(covered)
+        found = await self.log_message(covered, patient=patient)
         if found is None or found[0] != covered:
             return f"the log has no message at {covered}, the last one the snapshot covers"
         expected = manifest.log_covered_record
@@ -211,7 +217,7 @@ class SnapshotStore:
             return f"the message at {covered} is {found[1]}, not {expected}"
         if manifest.log_first_record is None:
             return None  # an older manifest: nothing more to check
-        first = await self.log_message(None)
+        first = await self.log_message(None, patient=patient)
         first_at = LogPosition(manifest.log_first_ledger or 0, manifest.log_first_entry or 0)
         if first is not None and first[0] > first_at:
             # The log's beginning was trimmed. Ledger ids are never reused, so the covered
@@ -418,12 +424,30 @@ class SnapshotPolicy(Generic[S]):
         behind a trimmed log); False if there is none."""
         # A transient failure is raised (for the caller to retry), not taken for a bad
         # snapshot: falling back to an older one would find its history trimmed away.
-        return await self.load_newest(load=True, at_least=needed, transient_raises=True)
+        if await self.load_newest(load=True, at_least=needed, transient_raises=True):
+            return True
+        # None found is a forked history only if it still holds on a second look: the list
+        # of snapshots may predate the one the log was trimmed behind (written and trimmed
+        # since it was read), and a topic being unloaded answers "no such message" briefly.
+        logger.info(
+            "no snapshot of %s at position %d or later checked out; looking again",
+            self._topic,
+            needed,
+        )
+        return await self.load_newest(
+            load=True, at_least=needed, transient_raises=True, patient=True
+        )
 
     async def load_newest(
-        self, *, load: bool, at_least: int = 0, transient_raises: bool = False
+        self,
+        *,
+        load: bool,
+        at_least: int = 0,
+        transient_raises: bool = False,
+        patient: bool = False,
     ) -> bool:
-        """Load the newest snapshot that checks out; older ones are fallbacks. True if one was."""
+        """Load the newest snapshot that checks out; older ones are fallbacks. True if one was.
+        ``patient``: wait for the log as long as for any read before calling a message absent."""
         manifests = await self._store.manifests()
         if manifests and not load:
             self._to_verify = manifests[-1]
@@ -432,7 +456,7 @@ class SnapshotPolicy(Generic[S]):
             if manifest.position < at_least:
                 continue
             try:
-                mismatch = await self._store.incarnation_mismatch(manifest)
+                mismatch = await self._store.incarnation_mismatch(manifest, patient=patient)
                 if mismatch is not None:
                     logger.warning(
                         "snapshot %s of %s (position %d) was taken of another history of the "

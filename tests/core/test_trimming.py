@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import JsonCodec, PulsarStateError, UnsafeTopicPolicyError
+from pulsar_state import JsonCodec, PulsarStateError, SnapshotManifest, UnsafeTopicPolicyError
 from pulsar_state._pulsar import TAIL_SUBSCRIPTION
+from pulsar_state._snapshots import SnapshotPolicy, SnapshotStore
 from tests.core.helpers import counter_manager, incr
 from tests.support.broker import admin_request
 
@@ -128,6 +129,39 @@ async def test_a_replica_replaying_from_a_trimmed_point_falls_forward_not_forks(
         assert await replica.read(lambda s: s["count"], latest=True) == count
         await replica.write(lambda s: [incr()])
         assert await replica.read(lambda s: s["count"], latest=True) == count + 1
+
+
+async def test_falling_forward_looks_again_when_its_list_of_snapshots_is_stale(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race behind a replica halted as forked while a writer snapshotted and trimmed: the
+    # replica listed the snapshots, then the writer wrote a newer one and trimmed the log
+    # behind it, so every snapshot on the replica's list was older than the log's beginning.
+    # Made certain here: the first list a fall-forward reads lacks the newest snapshot.
+    count, _ = await trimmed_topic(service_url, admin_url, topic)
+    stale = {"next": False, "served": 0}
+    real_manifests = SnapshotStore.manifests
+    real_fall_forward = SnapshotPolicy.fall_forward
+
+    async def manifests(self: SnapshotStore) -> list[SnapshotManifest]:
+        found = await real_manifests(self)
+        if stale["next"]:
+            stale["next"] = False
+            stale["served"] += 1
+            return found[:-1]  # as listed just before the newest snapshot was written
+        return found
+
+    async def fall_forward(self: SnapshotPolicy[Any], needed: int) -> bool:
+        stale["next"] = True
+        return await real_fall_forward(self, needed)
+
+    monkeypatch.setattr(SnapshotStore, "manifests", manifests)
+    monkeypatch.setattr(SnapshotPolicy, "fall_forward", fall_forward)
+    async with trimming_manager(service_url, topic, admin_url, load_snapshot=False) as replica:
+        assert stale["served"] == 1
+        assert replica.halted is None
+        assert replica.stats.fell_forward == 1
+        assert await replica.read(lambda s: s["count"], latest=True) == count
 
 
 async def test_finite_retention_is_accepted_only_with_trim_history(
