@@ -185,9 +185,6 @@ async def test_trim_history_refuses_a_message_ttl(
             pass
 
 
-# Unstable: failed 1 run in 4 here (a replica found no usable snapshot and halted as forked
-# history while the topic was being unloaded and trimmed); under diagnosis.
-@pytest.mark.unstable
 async def test_replicas_opening_while_trimming_runs_reach_the_same_state(
     service_url: str, admin_url: str, topic: str
 ) -> None:
