@@ -327,5 +327,9 @@ class SyncSharedStateManager(SyncFacade[SharedStateManager[S, Op]], Generic[S, O
     def snapshot(self, *, timeout: float | None = None) -> SnapshotManifest:
         return self._write(lambda: self._manager.snapshot(timeout=timeout), timeout)
 
+    def release_writer(self) -> None:
+        """See :meth:`SharedStateManager.release_writer`."""
+        self._portal.call_sync(self._manager.release_writer)
+
     def write_ops(self, ops: Sequence[Op], *, timeout: float | None = None) -> WriteResult[None]:
         return self._write(lambda: self._manager.write_ops(ops, timeout=timeout), timeout)

@@ -106,6 +106,7 @@ class Writer:
         self._after_batch = after_batch
         self._producer: StateWriter | None = None
         self._producer_since = 0.0
+        self._release_when_idle = False  # release_soon(): skip the idle wait once
 
     async def run(self) -> None:
         """Serve the write queue until the manager closes or the replica halts; a failed
@@ -142,7 +143,11 @@ class Writer:
             if not pending.queue:
                 wake.clear()
                 if self._producer is None:
+                    self._release_when_idle = False
                     await wake.wait()
+                    continue
+                if self._release_when_idle:
+                    await self.release()
                     continue
                 try:
                     await asyncio.wait_for(wake.wait(), self._settings.idle_release_s)
@@ -239,7 +244,14 @@ class Writer:
         except TimeoutError as exc:
             raise OperationTimeoutError(f"{what} on {self._topic} took over {timeout}s") from exc
 
+    def release_soon(self) -> None:
+        """Release the writer as soon as no write is queued, without the idle wait."""
+        if self._producer is not None:
+            self._release_when_idle = True
+            self._pending.wake.set()
+
     async def release(self) -> None:
+        self._release_when_idle = False
         producer, self._producer = self._producer, None
         if producer is not None:
             self._stats.writer_releases += 1

@@ -307,6 +307,8 @@ class Ownership:
             if keep_alive:
                 self._keep(lease_id, ttl)
             if not lease.held:
+                # The holder writes next (its release): let it have the writer at once.
+                self._manager.release_writer()
                 async with asyncio.timeout(_left(deadline)):
                     lease = await granted
         except BaseException as exc:
@@ -351,6 +353,8 @@ class Ownership:
         result = await self._manager.write(
             generator, reader=lambda s: s.leases[lease_id], timeout=timeout
         )
+        if not result.value.held:
+            self._manager.release_writer()  # still waiting: the holder writes next
         return result.value
 
     async def release(self, lease: Lease, *, timeout: float | None = None) -> None:

@@ -228,3 +228,19 @@ async def test_finished_writes_do_not_pile_up_until_their_deadline(
             await asyncio.sleep(0.05)
         assert len(manager._deadlines) <= 4096
         assert await manager.read(lambda s: s["count"]) == 5000
+
+
+async def test_release_writer_gives_the_writer_up_without_the_idle_wait(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # b would keep the exclusive writer for a minute after its write; release_writer() hands
+    # it over at once, so a's write gets in well inside its own (much shorter) timeout.
+    async with (
+        counter_manager(service_url, topic, admin_url, idle_release_s=60.0) as b,
+        counter_manager(service_url, topic, admin_url, acquire_timeout_s=10.0) as a,
+    ):
+        await b.write(lambda s: [incr()])
+        b.release_writer()
+        await a.write(lambda s: [incr()], timeout=10.0)
+        assert b.stats.writer_releases == 1
+        assert await a.read(lambda s: s["count"], latest=True) == 2

@@ -298,3 +298,26 @@ async def test_sync_election_and_membership(service_url: str, admin_url: str, to
                 m1.leave()
 
     await asyncio.to_thread(run)
+
+
+async def test_a_waiting_request_lets_the_holder_release_at_once(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The waiter's process wrote last; it would keep the topic's writer for a minute after its
+    # request (idle_release_s), and the holder does not fence it (no takeover), so its release
+    # could not be written in its 10 s. A request that waits gives the writer up at once (the
+    # holder writes next).
+    async with (
+        owners(service_url, topic, admin_url, owner="a", takeover_after_s=None) as a,
+        owners(service_url, topic, admin_url, owner="b", idle_release_s=60.0) as b,
+    ):
+        held = await a.acquire("x")
+        # Not renewed (b writes nothing more that would make it hand the writer over).
+        waiting = asyncio.ensure_future(b.acquire("x", ttl=60, timeout=30, keep_alive=False))
+        for _ in range(600):  # until a sees b's request waiting
+            if [lease for lease in await a.leases(latest=True) if lease.owner == "b"]:
+                break
+            await asyncio.sleep(0.05)
+        await a.release(held, timeout=10)
+        granted = await asyncio.wait_for(waiting, 30)
+        assert granted.token > held.token
