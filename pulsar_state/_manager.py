@@ -456,8 +456,8 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         A hint for a process that now waits for another process to write next, e.g. a lock
         request queued behind its holder: the holder's release need not wait for the writer.
         """
-        self._check_usable()
-        if self._parts.writer is not None:
+        # Only a hint: a closed or halted manager has nothing to give up.
+        if self._parts.writer is not None and not self.closed and self.halted is None:
             self._parts.writer.release_soon()
 
     async def snapshot(self, *, timeout: float | None = None) -> SnapshotManifest:

@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 # How long the log is asked for a message the admin tail says is not there.
 _ABSENT_CHECK_S = 2.0
+# The second look of a fall-forward: long enough for a topic being loaded again, short enough
+# that several checks fit in the fall-forward's own deadline (open_timeout_s).
+_PATIENT_CHECK_S = 15.0
 
 S = TypeVar("S")
 
@@ -177,11 +180,13 @@ class SnapshotStore:
         tail = await self._admin.last_position(self.state_topic)
         # The admin tail can lag just after the topic moved to a new ledger (an unload, a
         # rollover): "nothing there" from it is only a hint, so the log itself is asked then,
-        # briefly (``patient``: as long as any read). A message found proves the position;
+        # briefly (``patient``: longer, for a second look). A message found proves the position;
         # none within the bound means none.
         absent_hint = tail is None or (at is not None and tail < at)
-        brief = absent_hint and not patient
-        wait_s = min(self._timeout_s, _ABSENT_CHECK_S) if brief else self._timeout_s
+        if not absent_hint:
+            wait_s = self._timeout_s
+        else:
+            wait_s = min(self._timeout_s, _PATIENT_CHECK_S if patient else _ABSENT_CHECK_S)
         reader = await self.conn.create_reader(str(self.state_topic), at=at)
         try:
             async with asyncio.timeout(wait_s):

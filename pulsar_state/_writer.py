@@ -143,10 +143,11 @@ class Writer:
             if not pending.queue:
                 wake.clear()
                 if self._producer is None:
-                    self._release_when_idle = False
+                    self._release_when_idle = False  # nothing held: the hint is spent
                     await wake.wait()
                     continue
                 if self._release_when_idle:
+                    self._release_when_idle = False
                     await self.release()
                     continue
                 try:
@@ -245,13 +246,12 @@ class Writer:
             raise OperationTimeoutError(f"{what} on {self._topic} took over {timeout}s") from exc
 
     def release_soon(self) -> None:
-        """Release the writer as soon as no write is queued, without the idle wait."""
-        if self._producer is not None:
-            self._release_when_idle = True
-            self._pending.wake.set()
+        """Release the writer as soon as no write is queued, without the idle wait (also
+        when it is taken again first, e.g. after a failed send or a ``max_hold_s`` turn)."""
+        self._release_when_idle = True
+        self._pending.wake.set()
 
     async def release(self) -> None:
-        self._release_when_idle = False
         producer, self._producer = self._producer, None
         if producer is not None:
             self._stats.writer_releases += 1

@@ -158,7 +158,7 @@ async def test_falling_forward_looks_again_when_its_list_of_snapshots_is_stale(
     monkeypatch.setattr(SnapshotStore, "manifests", manifests)
     monkeypatch.setattr(SnapshotPolicy, "fall_forward", fall_forward)
     async with trimming_manager(service_url, topic, admin_url, load_snapshot=False) as replica:
-        assert stale["served"] == 1
+        assert stale["served"] >= 1  # (more if a transient failure made it start over)
         assert replica.halted is None
         assert replica.stats.fell_forward == 1
         assert await replica.read(lambda s: s["count"], latest=True) == count
