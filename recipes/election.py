@@ -15,6 +15,8 @@ sees the same sequence of leaders.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
 
 from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError
@@ -24,6 +26,8 @@ from .ownership import OneLeaseRecipe
 __all__ = ["Leader", "LeaderElection"]
 
 RESOURCE = "leader"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +68,21 @@ class LeaderElection(OneLeaseRecipe):
         leads). Leadership is kept alive until :meth:`resign` or close."""
         if self._lease is not None and self._ownership.is_held(self._lease):
             return Leader(self._lease.owner, self._lease.token, self._lease.position)
-        lease = await self._ownership.acquire(RESOURCE, mode="write", ttl=self.ttl, timeout=timeout)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                lease = await self._ownership.acquire(
+                    RESOURCE, mode="write", ttl=self.ttl, timeout=left
+                )
+                break
+            except NotHeldError:
+                # The waiting request expired: this process (or everyone: a stall in which
+                # nobody could write) did not renew it within its TTL. Still a candidate.
+                logger.warning(
+                    "the candidacy of %s expired while it waited; campaigning again", self.name
+                )
         self._lease = lease
         return Leader(lease.owner, lease.token, lease.position)
 

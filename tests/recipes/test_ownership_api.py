@@ -321,3 +321,30 @@ async def test_a_waiting_request_lets_the_holder_release_at_once(
         await a.release(held, timeout=10)
         granted = await asyncio.wait_for(waiting, 30)
         assert granted.token > held.token
+
+
+async def test_a_candidate_whose_request_expired_while_waiting_campaigns_again(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A stall in which nobody can write (the leader killed while holding the topic's writer,
+    # a machine at load 9) can outlast a waiting candidate's TTL: its request expires along
+    # with the leader's lease. campaign() used to raise NotHeldError then (the candidate
+    # dropped out); it campaigns again. The stall is made certain by a tick whose clock is
+    # past every lease (ticks are how any process makes expiry happen).
+    ttl = 3.0
+    options = recipe_options(admin_url)
+    async with (
+        LeaderElection(service_url, topic, name="one", ttl=ttl, **options) as one,
+        LeaderElection(service_url, topic, name="two", ttl=ttl, **options) as two,
+    ):
+        first = await one.campaign()
+        waiting = asyncio.ensure_future(two.campaign(timeout=60))
+        for _ in range(600):  # until two's request is in the table
+            if len(await one.ownership.leases(latest=True)) == 2:
+                break
+            await asyncio.sleep(0.05)
+        stall = {"op": "tick", "now": time.time() + ttl + 0.5}
+        await one.ownership.manager.write(lambda _table: [stall])
+        second = await asyncio.wait_for(waiting, 60)
+        assert second.name == "two"
+        assert second.token > first.token
