@@ -5,6 +5,7 @@ See the README for the model, the guarantees and the exception tree.
 """
 
 from ._codecs import AvroCodec, BytesCodec, Codec, JsonCodec, StrCodec
+from ._durable import DurableState, LogMark
 from ._envelope import SnapshotManifest
 from ._errors import (
     AccessDeniedError,
@@ -52,9 +53,11 @@ __all__ = [
     "ConfigurationError",
     "CorruptRecordError",
     "DictOverlay",
+    "DurableState",
     "FencedError",
     "ForkedHistoryError",
     "JsonCodec",
+    "LogMark",
     "LogPosition",
     "ManagerStats",
     "OperationTimeoutError",

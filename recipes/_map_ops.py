@@ -633,9 +633,19 @@ class MapState(Generic[K, V]):
         values = self.values
         return [(key, values[key]) for key in self._order.between(low, high)]
 
+    def keys_between(self, low: K | None, high: K | None) -> list[K]:
+        """Keys with ``low <= key < high`` (None: unbounded), in key order."""
+        assert self._order is not None
+        return list(self._order.between(low, high))
+
     def matching(self, accept: Callable[[K], bool]) -> list[tuple[K, MapEntry[V]]]:
         entries = self.entries
         return [(key, entries[key]) for key in self.sorted_keys() if accept(key)]
+
+    def entries_in_order(self) -> Iterable[tuple[K, MapEntry[V]]]:
+        """Every (key, entry) in key order (iterate it before the state changes again)."""
+        entries = self.entries
+        return [(key, entries[key]) for key in self.sorted_keys()]
 
 
 class _TrialMapState(MapState[K, V]):
@@ -675,16 +685,30 @@ class _TrialMapState(MapState[K, V]):
         survivors = [key for key in live if key not in removed] if removed else list(live)
         return sort_keys(survivors + added) if added else survivors  # timsort merges the runs
 
-    def items_between(self, low: K | None, high: K | None) -> list[tuple[K, V]]:
-        values = self.values
+    def keys_between(self, low: K | None, high: K | None) -> list[K]:
+        # The live state's keys in range (O(log n + k)) merged with this batch's changes:
+        # never a walk over the whole live state.
+        overlay = cast(DictOverlay[K, MapEntry[V]], self.entries)
         low_order = None if low is None else key_order(low)
         high_order = None if high is None else key_order(high)
-        return [
-            (key, values[key])
-            for key in self.sorted_keys()
-            if (low_order is None or key_order(key) >= low_order)
-            and (high_order is None or key_order(key) < high_order)
-        ]
+
+        def inside(key: K) -> bool:
+            return (low_order is None or key_order(key) >= low_order) and (
+                high_order is None or key_order(key) < high_order
+            )
+
+        added = [key for key in overlay.added_keys if inside(key)]
+        if overlay.cleared:
+            return sort_keys(added)
+        removed = overlay.removed_keys
+        live = self._live.keys_between(low, high)
+        if removed:
+            live = [key for key in live if key not in removed]
+        return sort_keys(live + added) if added else live
+
+    def items_between(self, low: K | None, high: K | None) -> list[tuple[K, V]]:
+        values = self.values
+        return [(key, values[key]) for key in self.keys_between(low, high)]
 
 
 _SNAPSHOT_MAGIC = b"PSMAP\x01"

@@ -1,0 +1,66 @@
+"""A state that keeps itself on durable storage together with the log position it reflects.
+
+The manager's ``durable_state=`` hook. Such a state (a PulsarMap on a local disk store, say)
+commits each accepted record's changes *and* that record's :class:`LogMark` in one atomic step
+of its own storage, so a process killed at any instant reopens to exactly one record boundary.
+Opening then starts from the stored mark, as it would from a snapshot: the mark is checked
+against the topic as it is now (the covered message must be at its position with the same
+record, as for a snapshot's manifest), the reader starts right after it, and only the tail is
+replayed. A state with nothing stored starts as usual (from the newest snapshot, if any, which
+it is then asked to store, or from the empty state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from ._pulsar import LogPosition
+
+__all__ = ["DurableState", "LogMark"]
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True, slots=True)
+class LogMark:
+    """Where a state stands in its log: ``position`` records accepted (the version), the
+    last accepted record's id, and the message it was read at (``log_position``). A record's
+    id and its message's place identify one history of the topic: a topic deleted and created
+    again under the same name has neither."""
+
+    position: int
+    record_id: str
+    log_position: LogPosition
+
+
+class DurableState(Protocol[S]):
+    """What the manager asks of a state that carries its own durable position.
+
+    Every method runs on the event loop's thread except :meth:`load_snapshot`, which runs in
+    a worker thread (it may be long) while the pump is stopped. An exception from
+    :meth:`commit` halts the replica (nothing of the record is taken as applied); from the
+    others, it fails the open (or the fall-forward) with that exception.
+    """
+
+    def stored_mark(self, state: S) -> LogMark | None:
+        """The mark the stored state is at; None when nothing is stored (a new store)."""
+        ...
+
+    def commit(self, state: S, mark: LogMark) -> None:
+        """Make the changes ``apply`` made for the record at ``mark`` durable, with ``mark``,
+        in one atomic step. Called once per accepted record, after its ops, in log order."""
+        ...
+
+    def load_snapshot(self, state: S, data: bytes, mark: LogMark) -> S:
+        """Replace everything stored by the snapshot ``data`` (the ``snapshot_codec``'s
+        bytes) at ``mark``; returns the state to use from now on (``state`` itself or a new
+        object). Must be atomic too: a process killed meanwhile reopens to the old content
+        or to an empty store, never to a mix."""
+        ...
+
+    def refuse(self, state: S, reason: str) -> S:
+        """The stored mark is not part of this topic's history (``reason`` says why: a
+        topic deleted and created again, another topic, a position past its tail). Raise to
+        refuse the open, or empty the storage and return the empty state to rebuild it."""
+        ...

@@ -1,0 +1,991 @@
+"""PulsarMap's disk store: the map's entries in LMDB on local disk, a bounded cache of decoded
+values in front, and the log mark of the last applied record stored with them.
+
+Samza's local state, on the core's ``durable_state`` hook: each record's changes and its
+:class:`~pulsar_state.LogMark` are committed in ONE LMDB write transaction, so a process killed
+at any instant reopens to exactly a record boundary, and opening replays only the log's tail.
+
+Layout of a store directory:
+
+* ``PULSAR_STATE_MAP``: a small JSON marker (``format``), written first, so that a directory
+  is known to be ours before anything is opened in it (a directory that is not a store of
+  ours is never touched).
+* ``data.mdb`` / ``lock.mdb``: the LMDB environment, with two databases: ``data`` (one entry
+  per key) and ``meta`` (``info``: format, topic, codecs, boot id, clean flag; ``mark``:
+  the log mark, the number of keys).
+* ``owner.lock``: held with ``flock`` while a process has the store open (LMDB allows many
+  processes; a map store has exactly one).
+
+Keys are stored in an order-preserving encoding of the decoded key (:func:`store_key`), so
+LMDB's byte order IS the map's :func:`~recipes._map_ops.key_order`: ints (sign, length,
+magnitude), then bytes (raw), then str (UTF-8, whose byte order is code-point order). A value
+is stored as its version (8 bytes) and the value codec's bytes of the normalised value: the
+bytes the map's snapshot codec writes.
+
+Writes are not fsynced per record: LMDB's pages go to the OS page cache on commit, so a killed
+process loses nothing committed, and the log is the durable copy. A machine that crashes
+while the store is open may leave torn pages: the store records the kernel's boot id and a
+clean flag (set by a clean close after an fsync), and a store opened under another boot id
+without a clean close is not trusted (refused, or rebuilt from the log).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import struct
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Generic, Literal, TypeVar, cast
+
+from pulsar_state import (
+    Codec,
+    CodecError,
+    ConfigurationError,
+    LogMark,
+    LogPosition,
+    PulsarStateError,
+)
+
+from ._map_ops import (
+    KEY_TYPES,
+    MapCodecs,
+    MapEntry,
+    MapEvent,
+    MapOp,
+    MapSnapshotCodec,
+    MapState,
+    MapVersion,
+    _TrialMapState,
+)
+
+__all__ = [
+    "DiskDurability",
+    "DiskMapState",
+    "DiskSnapshotCodec",
+    "DiskStore",
+    "LocalStoreError",
+    "key_from_store",
+    "store_key",
+]
+
+logger = logging.getLogger(__name__)
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+FORMAT: Final = 1
+MARKER = "PULSAR_STATE_MAP"
+_OWNER_LOCK = "owner.lock"
+_INFO = b"info"
+_MARK = b"mark"
+# LMDB's key size limit (MDB_MAXKEYSIZE in the bundled build): a longer encoded key is refused.
+MAX_KEY_BYTES: Final = 511
+
+_VERSION = struct.Struct(">Q")
+# state (0 empty, 1 at a mark), position, ledger, entry, number of keys; the record id follows.
+_MARK_HEAD = struct.Struct(">Bqqqq")
+_INVERT = bytes(255 - i for i in range(256))
+_INT, _BYTES, _STR = 0x00, 0x01, 0x02
+
+
+class LocalStoreError(PulsarStateError):
+    """A map's local store cannot be used: not a store of ours, written by a newer format,
+    held by another process, or (with ``on_mismatch="error"``) holding another history of
+    the topic. Nothing in the store was changed."""
+
+
+# ---------------------------------------------------------------------- key encoding
+
+
+def store_key(key: Any) -> bytes:
+    """``key`` in an encoding whose byte order is the map's key order (see the module doc)."""
+    kind = type(key)
+    if kind is str:
+        return b"\x02" + cast(str, key).encode("utf-8", "surrogatepass")
+    if kind is bytes:
+        return b"\x01" + cast(bytes, key)
+    if kind is int:
+        number = cast(int, key)
+        if number >= 0:
+            magnitude = number.to_bytes((number.bit_length() + 7) // 8, "big")
+            return b"\x00\x01" + len(magnitude).to_bytes(4, "big") + magnitude
+        magnitude = (-number).to_bytes(((-number).bit_length() + 7) // 8, "big")
+        # Longer and larger magnitudes are smaller numbers: both are inverted.
+        return (
+            b"\x00\x00"
+            + (0xFFFFFFFF - len(magnitude)).to_bytes(4, "big")
+            + magnitude.translate(_INVERT)
+        )
+    raise CodecError(f"keys must be str, bytes or int, not {kind.__name__}")
+
+
+def key_from_store(data: bytes) -> Any:
+    """The key :func:`store_key` encoded as ``data``."""
+    kind = data[0]
+    if kind == _STR:
+        return data[1:].decode("utf-8", "surrogatepass")
+    if kind == _BYTES:
+        return data[1:]
+    if kind == _INT and len(data) >= 6:
+        if data[1] == 1:
+            return int.from_bytes(data[6:], "big")
+        return -int.from_bytes(data[6:].translate(_INVERT), "big")
+    raise CodecError(f"not a stored key: {data[:16]!r}")
+
+
+def _bound(key: Any) -> bytes | None:
+    return None if key is None else store_key(key)
+
+
+# ---------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class DiskStore:
+    """A PulsarMap's entries on local disk: ``PulsarMap(url, topic, store=DiskStore(path))``.
+
+    Args:
+        path: the store's directory (created if missing). One map, one topic, one process.
+        cache_bytes: the budget of the cache of decoded values (an estimate of their size in
+            memory; least recently used values are dropped first).
+        on_mismatch: what to do when the store holds another history than the topic's (a
+            topic deleted and created again, another topic, a mark past the tail, other
+            codecs, or a machine crash while it was open): ``"error"`` (default) refuses to
+            open with :class:`LocalStoreError` and changes nothing; ``"rebuild"`` empties the
+            store and rebuilds it from the newest snapshot and the log.
+        map_size: LMDB's address space for the store (the largest it may grow to; sparse).
+    """
+
+    path: str | os.PathLike[str]
+    cache_bytes: int = 64 * 1024 * 1024
+    on_mismatch: Literal["error", "rebuild"] = "error"
+    map_size: int = 1 << 40
+
+    def __post_init__(self) -> None:
+        if self.on_mismatch not in ("error", "rebuild"):
+            raise ValueError(f"on_mismatch must be 'error' or 'rebuild', not {self.on_mismatch!r}")
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, not {self.cache_bytes}")
+
+
+def _lmdb() -> Any:
+    # Imported when a store opens: LMDB is the optional ``disk`` extra.
+    try:
+        import lmdb
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ConfigurationError(
+            "a disk-backed PulsarMap needs LMDB: pip install 'pulsar-state[disk]'"
+        ) from exc
+    return lmdb
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _codec_name(codec: Codec[Any]) -> str:
+    kind = type(codec)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+# ---------------------------------------------------------------------- the LRU cache
+
+# A rough size in memory of one cached entry besides its value's bytes: the decoded value's
+# object headers, its MapEntry and MapVersion, the key, and the cache's own node.
+_ENTRY_OVERHEAD = 240
+
+
+class _Cache(Generic[K, V]):
+    """Decoded entries, least recently used dropped first past ``max_bytes`` (estimated)."""
+
+    __slots__ = ("_bytes", "_items", "hits", "max_bytes", "misses")
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[K, tuple[MapEntry[V], int]] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: K) -> MapEntry[V] | None:
+        item = self._items.get(key)
+        if item is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._items.move_to_end(key)
+        return item[0]
+
+    def peek(self, key: K) -> MapEntry[V] | None:
+        item = self._items.get(key)
+        return None if item is None else item[0]
+
+    def put(self, key: K, entry: MapEntry[V], size: int) -> None:
+        cost = size + _ENTRY_OVERHEAD
+        if cost > self.max_bytes:
+            self.pop(key)
+            return
+        old = self._items.pop(key, None)
+        if old is not None:
+            self._bytes -= old[1]
+        self._items[key] = (entry, cost)
+        self._bytes += cost
+        while self._bytes > self.max_bytes:
+            _key, (_entry, dropped) = self._items.popitem(last=False)
+            self._bytes -= dropped
+
+    def pop(self, key: K) -> None:
+        old = self._items.pop(key, None)
+        if old is not None:
+            self._bytes -= old[1]
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+
+# ---------------------------------------------------------------------- the LMDB environment
+
+
+class _Env:
+    """The store's directory: marker, owner lock, LMDB environment, info and mark."""
+
+    def __init__(self, config: DiskStore) -> None:
+        self.config = config
+        self.path = Path(config.path)
+        self.env: Any = None
+        self.data: Any = None
+        self.meta: Any = None
+        self._lock_fd: int | None = None
+
+    def open(self, topic: str, codecs: tuple[str, str]) -> str | None:
+        """Open (creating a new store if there is none); returns why the stored content
+        cannot be trusted for this map, or None. Raises LocalStoreError for a directory
+        that is not a store of ours, a newer format, or a store open elsewhere."""
+        path = self.path
+        if path.exists() and not path.is_dir():
+            raise LocalStoreError(f"{path} is not a directory: not a PulsarMap store")
+        marker = path / MARKER
+        if path.exists() and any(path.iterdir()) and not marker.exists():
+            raise LocalStoreError(
+                f"{path} is not a PulsarMap store (no {MARKER} file) and is not empty: "
+                "refusing to use it (give a new or empty directory)"
+            )
+        if marker.exists():
+            try:
+                found = json.loads(marker.read_text())
+                version = int(found["format"])
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise LocalStoreError(f"{marker} is damaged: {exc}") from exc
+            if version > FORMAT:
+                raise LocalStoreError(
+                    f"{path} was written by a newer pulsar-state (store format {version}, "
+                    f"this one reads up to {FORMAT}): upgrade, or give another directory"
+                )
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            scratch = path / f".{MARKER}.{uuid.uuid4().hex}"
+            scratch.write_text(json.dumps({"format": FORMAT}))
+            os.replace(scratch, marker)  # first: from now on the directory is ours
+        lmdb = _lmdb()
+        self._lock(path / _OWNER_LOCK)
+        try:
+            self.env = lmdb.open(
+                str(path),
+                map_size=self.config.map_size,
+                max_dbs=2,
+                subdir=True,
+                # Commits reach the page cache, not the disk: a killed process loses nothing
+                # committed; a machine crash is detected by the boot id (see the module doc).
+                sync=False,
+                metasync=False,
+                readahead=False,
+            )
+            self.data = self.env.open_db(b"data")
+            self.meta = self.env.open_db(b"meta")
+            return self._check_info(topic, codecs)
+        except BaseException:
+            self.close(clean=False)
+            raise
+
+    def _lock(self, lock_path: Path) -> None:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            raise LocalStoreError(
+                f"the store {self.path} is open in another process (or another map of this "
+                "one): a store serves one map"
+            ) from exc
+        self._lock_fd = fd
+
+    def _check_info(self, topic: str, codecs: tuple[str, str]) -> str | None:
+        with self.env.begin(db=self.meta) as txn:
+            raw = txn.get(_INFO)
+        boot = _boot_id()
+        reason: str | None = None
+        if raw is not None:
+            info = json.loads(raw)
+            if int(info.get("format", 0)) > FORMAT:
+                raise LocalStoreError(
+                    f"{self.path} was written by a newer pulsar-state (store format "
+                    f"{info.get('format')}, this one reads up to {FORMAT})"
+                )
+            if info.get("topic") != topic:
+                reason = f"the store holds the map of topic {info.get('topic')}, not {topic}"
+            elif [info.get("key_codec"), info.get("value_codec")] != list(codecs):
+                reason = (
+                    f"the store was written with codecs {info.get('key_codec')} / "
+                    f"{info.get('value_codec')}, this map uses {codecs[0]} / {codecs[1]}"
+                )
+            elif not info.get("clean") and info.get("boot_id") != boot:
+                reason = (
+                    "the machine restarted while the store was open (writes are not synced "
+                    "per record, so its last pages may be torn)"
+                )
+        return reason
+
+    def write_info(self, topic: str, codecs: tuple[str, str], *, clean: bool) -> None:
+        info = {
+            "format": FORMAT,
+            "topic": topic,
+            "key_codec": codecs[0],
+            "value_codec": codecs[1],
+            "boot_id": _boot_id(),
+            "clean": clean,
+        }
+        with self.env.begin(write=True, db=self.meta) as txn:
+            txn.put(_INFO, json.dumps(info, sort_keys=True).encode())
+        self.env.sync(True)
+
+    def wipe(self) -> None:
+        """Empty the store (one transaction): no entries, no mark."""
+        with self.env.begin(write=True) as txn:
+            txn.drop(self.data, delete=False)
+            txn.delete(_MARK, db=self.meta)
+
+    def read_mark(self) -> tuple[LogMark | None, int]:
+        with self.env.begin(db=self.meta) as txn:
+            raw = txn.get(_MARK)
+        if raw is None:
+            return None, 0
+        state, position, ledger, entry, count = _MARK_HEAD.unpack_from(raw)
+        if state == 0:
+            return None, 0
+        record_id = bytes(raw[_MARK_HEAD.size :]).decode()
+        return LogMark(position, record_id, LogPosition(ledger, entry)), count
+
+    def close(self, *, clean: bool, topic: str = "", codecs: tuple[str, str] = ("", "")) -> None:
+        if self.env is not None:
+            try:
+                if clean:
+                    self.env.sync(True)
+                    self.write_info(topic, codecs, clean=True)
+            except _lmdb().Error as exc:  # a full disk: the store stays "not clean", that is all
+                logger.warning("could not mark the store %s closed cleanly: %s", self.path, exc)
+            finally:
+                self.env.close()
+                self.env = None
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def pack_mark(mark: LogMark | None, count: int) -> bytes:
+    if mark is None:
+        return _MARK_HEAD.pack(0, 0, 0, 0, 0)
+    at = mark.log_position
+    head = _MARK_HEAD.pack(1, mark.position, at.ledger, at.entry, count)
+    return head + mark.record_id.encode()
+
+
+# ---------------------------------------------------------------------- the state
+
+_DELETED: Any = object()
+
+
+class DiskMapState(MapState[K, V]):
+    """A :class:`MapState` whose entries live in the store: ``entries`` and ``values`` are
+    views that read the current record's changes, then the cache, then LMDB.
+
+    All use is on the event loop's thread (as for the in-memory state), except a snapshot's
+    :meth:`copy` (its own read transaction) and :meth:`load_snapshot` (the manager's worker
+    thread, while the pump waits).
+    """
+
+    __slots__ = (
+        "_cache",
+        "_cleared",
+        "_codecs",
+        "_count",
+        "_env",
+        "_loading",
+        "_mark",
+        "_pending",
+        "_pending_count",
+        "_read_txn",
+        "_topic",
+    )
+
+    def __init__(self, config: DiskStore, codecs: MapCodecs[K, V], topic: str = "") -> None:
+        super().__init__()
+        self._order = None  # the store is the order
+        self._codecs = codecs
+        self._topic = topic
+        self._env = _Env(config)
+        self._cache: _Cache[K, V] = _Cache(config.cache_bytes)
+        # The current record's changes (a key's MapEntry, or _DELETED), until commit.
+        self._pending: dict[K, Any] = {}
+        self._cleared = False
+        self._count = 0
+        self._pending_count = 0
+        self._mark: LogMark | None = None
+        self._read_txn: Any = None
+        self._loading = False
+        self.entries = _DiskEntries(self)
+        self.values = _DiskValues(self)
+
+    # ------------------------------------------------------------ opening and closing
+
+    def bind_topic(self, topic: str) -> None:
+        """The topic's full name (the store records it and refuses another)."""
+        self._topic = topic
+
+    @property
+    def config(self) -> DiskStore:
+        return self._env.config
+
+    def _codec_names(self) -> tuple[str, str]:
+        return _codec_name(self._codecs.keys), _codec_name(self._codecs.values)
+
+    def open_store(self) -> None:
+        """Open the store directory (see :class:`DiskStore` for what is refused)."""
+        reason = self._env.open(self._topic, self._codec_names())
+        if reason is not None:
+            self._reset_or_refuse(reason)  # raises, or empties the store
+        # Open from now on: a machine crash before the next clean close is detected.
+        self._env.write_info(self._topic, self._codec_names(), clean=False)
+        self._mark, self._count = self._env.read_mark()
+        self._pending_count = self._count
+        self.position = 0 if self._mark is None else self._mark.position
+
+    def _reset_or_refuse(self, reason: str) -> None:
+        if self.config.on_mismatch != "rebuild":
+            self.close_store(clean=False)
+            raise LocalStoreError(
+                f"the local store {self.config.path} cannot be used for {self._topic}: "
+                f"{reason}. Nothing was changed; open with DiskStore(..., "
+                "on_mismatch='rebuild') to rebuild it from the log, or give another directory"
+            )
+        logger.warning(
+            "rebuilding the local store %s of %s from the log: %s",
+            self.config.path,
+            self._topic,
+            reason,
+        )
+        self._drop_read()
+        self._env.wipe()
+        self._cache.clear()
+        self._mark, self._count, self._pending_count, self.position = None, 0, 0, 0
+
+    def close_store(self, *, clean: bool = True) -> None:
+        """Close; ``clean``: sync to disk first and say so (the next open then trusts the
+        store after a machine restart too). Idempotent."""
+        self._drop_read()
+        self._env.close(clean=clean, topic=self._topic, codecs=self._codec_names())
+
+    @property
+    def is_open(self) -> bool:
+        return self._env.env is not None
+
+    @property
+    def mark(self) -> LogMark | None:
+        """The mark of the last committed record (None: nothing stored)."""
+        return self._mark
+
+    @property
+    def cache(self) -> _Cache[K, V]:
+        return self._cache
+
+    # ------------------------------------------------------------ reading the store
+
+    def _txn(self) -> Any:
+        if self._loading:  # a snapshot is being loaded in another thread: no long-lived view
+            return self._env.env.begin(db=self._env.data)
+        txn = self._read_txn
+        if txn is None:
+            txn = self._read_txn = self._env.env.begin(db=self._env.data)
+        return txn
+
+    def _drop_read(self) -> None:
+        txn, self._read_txn = self._read_txn, None
+        if txn is not None:
+            txn.abort()
+
+    def _decode(self, raw: bytes) -> tuple[MapEntry[V], int]:
+        value = self._codecs.decode_value(raw[_VERSION.size :])
+        return MapEntry(value, MapVersion(_VERSION.unpack_from(raw)[0])), len(raw)
+
+    def lookup(self, key: K) -> MapEntry[V] | None:
+        """The entry of ``key`` as this state holds it now (the record being applied
+        included), or None."""
+        pending = self._pending.get(key)
+        if pending is not None:
+            return None if pending is _DELETED else cast(MapEntry[V], pending)
+        if self._cleared:
+            return None
+        cache = self._cache
+        found = cache.get(key) if not self._loading else None
+        if found is not None:
+            return found
+        if type(key) not in KEY_TYPES:
+            hash(key)  # an unhashable key raises TypeError, as a dict would
+            return None
+        raw = self._txn().get(store_key(key))
+        if raw is None:
+            return None
+        entry, size = self._decode(raw)
+        if not self._loading:
+            cache.put(key, entry, size)
+        return entry
+
+    def exists(self, key: K) -> bool:
+        pending = self._pending.get(key)
+        if pending is not None:
+            return pending is not _DELETED
+        if self._cleared:
+            return False
+        if not self._loading and self._cache.peek(key) is not None:
+            return True
+        if type(key) not in KEY_TYPES:
+            hash(key)
+            return False
+        return self._txn().get(store_key(key)) is not None
+
+    def count(self) -> int:
+        """How many keys the state holds now (the record being applied included)."""
+        return self._pending_count
+
+    def _stored(self, low: bytes | None, high: bytes | None) -> Iterator[tuple[bytes, bytes]]:
+        """Stored (key, raw) pairs with ``low <= key < high`` in store order (not pending)."""
+        if self._cleared:
+            return
+        cursor = self._txn().cursor()
+        found = cursor.set_range(low) if low is not None else cursor.first()
+        while found:
+            skey = cursor.key()
+            if high is not None and skey >= high:
+                return
+            yield skey, cursor.value()
+            found = cursor.next()
+
+    def _scan(
+        self, low: bytes | None, high: bytes | None, *, with_values: bool
+    ) -> Iterator[tuple[K, MapEntry[V] | None]]:
+        """(key, entry) in key order with ``low <= key < high``; entries only when asked."""
+        pending = self._pending
+        if not pending:
+            peek = self._cache.peek
+            for skey, raw in self._stored(low, high):
+                key = cast(K, key_from_store(skey))
+                if not with_values:
+                    yield key, None
+                    continue
+                yield key, (peek(key) or self._decode(raw)[0])
+            return
+        # Inside a record (a write's reader): merge its changes in. Rare, so simple.
+        merged: dict[bytes, tuple[K, MapEntry[V] | None]] = {}
+        for skey, raw in self._stored(low, high):
+            merged[bytes(skey)] = (key_from_store(skey), self._decode(raw)[0] if with_values else None)
+        for key, entry in pending.items():
+            skey = store_key(key)
+            if (low is not None and skey < low) or (high is not None and skey >= high):
+                continue
+            if entry is _DELETED:
+                merged.pop(skey, None)
+            else:
+                merged[skey] = (key, entry)
+        for skey in sorted(merged):
+            yield merged[skey]
+
+    # ------------------------------------------------------------ MapState's reads
+
+    def sorted_keys(self) -> Iterable[K]:
+        return [key for key, _entry in self._scan(None, None, with_values=False)]
+
+    def items_between(self, low: K | None, high: K | None) -> list[tuple[K, V]]:
+        return [
+            (key, cast(MapEntry[V], entry).value)
+            for key, entry in self._scan(_bound(low), _bound(high), with_values=True)
+        ]
+
+    def keys_between(self, low: K | None, high: K | None) -> list[K]:
+        return [key for key, _entry in self._scan(_bound(low), _bound(high), with_values=False)]
+
+    def matching(self, accept: Callable[[K], bool]) -> list[tuple[K, MapEntry[V]]]:
+        found: list[tuple[K, MapEntry[V]]] = []
+        for key, _none in self._scan(None, None, with_values=False):
+            if accept(key):
+                entry = self.lookup(key)
+                assert entry is not None
+                found.append((key, entry))
+        return found
+
+    def entries_in_order(self) -> Iterable[tuple[K, MapEntry[V]]]:
+        return [
+            (key, cast(MapEntry[V], entry))
+            for key, entry in self._scan(None, None, with_values=True)
+        ]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MapState) or other.position != self.position:
+            return False
+        return dict(self.entries_in_order()) == dict(other.entries_in_order())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # ------------------------------------------------------------ applying
+
+    def trial(self) -> MapState[K, V]:
+        return _DiskTrialMapState(self)
+
+    def begin(self, position: int) -> None:
+        super().begin(position)
+        self._pending.clear()
+        self._cleared = False
+        self._pending_count = self._count
+
+    def apply(self, op: MapOp[K, V]) -> None:
+        events = self.events
+        if op.tag is not None:
+            self.last_tag = op.tag
+        version = MapVersion.of(self.position, self.op_index)
+        self.op_index += 1
+        if op.kind == "PUT":
+            key, value = cast(K, op.key), cast(V, op.value)
+            check_key(key)
+            if not self.exists(key):
+                self._pending_count += 1
+            self._pending[key] = MapEntry(value, version)
+            if events is not None:
+                events.append(MapEvent("put", key, value, version, self.position))
+        elif op.kind == "DELETE":
+            key = cast(K, op.key)
+            if self.exists(key):
+                self._pending[key] = _DELETED
+                self._pending_count -= 1
+                if events is not None:
+                    events.append(MapEvent("delete", key, None, version, self.position))
+        else:
+            self._pending.clear()
+            self._cleared = True
+            self._pending_count = 0
+            if events is not None:
+                events.append(MapEvent("clear", None, None, version, self.position))
+
+    def commit(self, mark: LogMark) -> None:
+        """Store the current record's changes and ``mark`` in one LMDB transaction."""
+        env, encode = self._env, self._codecs.values.encode
+        self._drop_read()
+        staged: list[tuple[K, MapEntry[V] | None, int]] = []
+        with env.env.begin(write=True) as txn:
+            if self._cleared:
+                txn.drop(env.data, delete=False)
+            for key, entry in self._pending.items():
+                skey = store_key(key)
+                if entry is _DELETED:
+                    txn.delete(skey, db=env.data)
+                    staged.append((key, None, 0))
+                    continue
+                raw = _VERSION.pack(int(entry.version)) + encode(entry.value)
+                txn.put(skey, raw, db=env.data)
+                staged.append((key, entry, len(raw)))
+            txn.put(_MARK, pack_mark(mark, self._pending_count), db=env.meta)
+        # Committed: the cache and the counters follow.
+        cache = self._cache
+        if self._cleared:
+            cache.clear()
+        for key, done, size in staged:
+            if done is None:
+                cache.pop(key)
+            else:  # write-through: a value just written is likely read next
+                cache.put(key, done, size)
+        self._pending.clear()
+        self._cleared = False
+        self._count = self._pending_count
+        self._mark = mark
+
+    # ------------------------------------------------------------ snapshots
+
+    def copy(self) -> MapState[K, V]:
+        """A consistent, read-only view of the store for a snapshot (its own LMDB read
+        transaction: applies go on meanwhile)."""
+        return _DiskView(self, self._env.env.begin(db=self._env.data))
+
+    def load_snapshot(self, data: bytes, mark: LogMark) -> DiskMapState[K, V]:
+        """Replace the store's content by the snapshot ``data`` at ``mark``, in ONE
+        transaction (runs in a worker thread; reads meanwhile see the old content)."""
+        self._loading = True
+        try:
+            count = 0
+            env = self._env
+            with env.env.begin(write=True) as txn:
+                txn.drop(env.data, delete=False)
+                for key, version, value_bytes in parse_snapshot(data, self._codecs):
+                    txn.put(store_key(key), _VERSION.pack(version) + value_bytes, db=env.data)
+                    count += 1
+                txn.put(_MARK, pack_mark(mark, count), db=env.meta)
+            self._cache.clear()
+            self._pending.clear()
+            self._cleared = False
+            self._count = self._pending_count = count
+            self._mark = mark
+            self.position = mark.position
+            self.op_index = 0
+        finally:
+            self._read_txn = None  # the loop's old view is dropped, not reused
+            self._loading = False
+        return self
+
+    def refuse_history(self, reason: str) -> None:
+        """The stored mark is not of the topic's history: LocalStoreError, or (with
+        ``on_mismatch="rebuild"``) an emptied store."""
+        self._reset_or_refuse(reason)
+
+
+class DiskDurability(Generic[K, V]):
+    """The core's ``durable_state`` hook for a :class:`DiskMapState`."""
+
+    def stored_mark(self, state: MapState[K, V]) -> LogMark | None:
+        return _disk(state).mark
+
+    def commit(self, state: MapState[K, V], mark: LogMark) -> None:
+        _disk(state).commit(mark)
+
+    def load_snapshot(self, state: MapState[K, V], data: bytes, mark: LogMark) -> MapState[K, V]:
+        return _disk(state).load_snapshot(data, mark)
+
+    def refuse(self, state: MapState[K, V], reason: str) -> MapState[K, V]:
+        _disk(state).refuse_history(reason)
+        return state
+
+
+def _disk(state: MapState[K, V]) -> DiskMapState[K, V]:
+    assert isinstance(state, DiskMapState)
+    return state
+
+
+def check_key(key: Any) -> None:
+    """Refuse a key the store cannot hold (LMDB keys are at most 511 bytes)."""
+    if len(store_key(key)) > MAX_KEY_BYTES:
+        raise CodecError(
+            f"a disk-backed PulsarMap holds keys of at most {MAX_KEY_BYTES - 1} bytes "
+            f"(UTF-8 for str); this one has {len(store_key(key)) - 1}"
+        )
+
+
+class _DiskTrialMapState(_TrialMapState[K, V]):
+    """The writer's trial over a disk state: the overlay, refusing keys the store cannot
+    hold before anything is sent (ApplyError)."""
+
+    __slots__ = ()
+
+    def apply(self, op: MapOp[K, V]) -> None:
+        if op.key is not None:
+            check_key(op.key)
+        super().apply(op)
+
+
+class _DiskEntries(Mapping[K, MapEntry[V]]):
+    """``state.entries`` of a disk state: a read-only mapping (apply changes the state)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: DiskMapState[K, V]) -> None:
+        self._state = state
+
+    def get(self, key: K, default: Any = None) -> Any:  # type: ignore[override]
+        found = self._state.lookup(key)
+        return default if found is None else found
+
+    def __getitem__(self, key: K) -> MapEntry[V]:
+        found = self._state.lookup(key)
+        if found is None:
+            raise KeyError(key)
+        return found
+
+    def __contains__(self, key: object) -> bool:
+        return self._state.exists(cast(K, key))
+
+    def __len__(self) -> int:
+        return self._state.count()
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._state.sorted_keys())
+
+    def items(self) -> Any:
+        return self._state.entries_in_order()
+
+
+class _DiskValues(Mapping[K, V]):
+    """``state.values`` of a disk state (``get`` serves ``PulsarMap.get_local``)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: DiskMapState[K, V]) -> None:
+        self._state = state
+
+    def get(self, key: K, default: Any = None) -> Any:  # type: ignore[override]
+        found = self._state.lookup(key)
+        return default if found is None else found.value
+
+    def __getitem__(self, key: K) -> V:
+        found = self._state.lookup(key)
+        if found is None:
+            raise KeyError(key)
+        return found.value
+
+    def __contains__(self, key: object) -> bool:
+        return self._state.exists(cast(K, key))
+
+    def __len__(self) -> int:
+        return self._state.count()
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._state.sorted_keys())
+
+
+class _DiskView(MapState[K, V]):
+    """A disk state frozen at one moment (an LMDB read transaction): what a snapshot
+    encodes in another thread while the live state goes on."""
+
+    __slots__ = ("_codecs", "_txn")
+
+    def __init__(self, live: DiskMapState[K, V], txn: Any) -> None:
+        super().__init__()
+        self._order = None
+        self._codecs = live._codecs
+        self._txn = txn
+        self.position = live.position
+        self.op_index = live.op_index
+        self.last_tag = live.last_tag
+
+    def stored(self) -> Iterator[tuple[bytes, bytes]]:
+        """(store key, raw) pairs in store order."""
+        cursor = self._txn.cursor()
+        found = cursor.first()
+        while found:
+            yield cursor.key(), cursor.value()
+            found = cursor.next()
+
+    def entries_in_order(self) -> Iterable[tuple[K, MapEntry[V]]]:
+        for skey, raw in self.stored():
+            value = self._codecs.decode_value(raw[_VERSION.size :])
+            yield key_from_store(skey), MapEntry(value, MapVersion(_VERSION.unpack_from(raw)[0]))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MapState) or other.position != self.position:
+            return False
+        return dict(self.entries_in_order()) == dict(other.entries_in_order())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def close(self) -> None:
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            txn.abort()
+
+
+# ---------------------------------------------------------------------- snapshot bytes
+
+_SNAPSHOT_MAGIC = b"PSMAP\x01"
+_SNAPSHOT_HEAD = struct.Struct(">qI")
+_SNAPSHOT_ENTRY = struct.Struct(">qII")
+
+
+def parse_snapshot(data: bytes, codecs: MapCodecs[Any, Any]) -> Iterator[tuple[Any, int, bytes]]:
+    """(key, version, value bytes) of each entry of a map snapshot, keys decoded, values
+    not (they are stored as they are)."""
+    if not data.startswith(_SNAPSHOT_MAGIC):
+        raise CodecError("not a PulsarMap snapshot")
+    view = memoryview(data)
+    try:
+        offset = len(_SNAPSHOT_MAGIC)
+        _position, count = _SNAPSHOT_HEAD.unpack_from(data, offset)
+        offset += _SNAPSHOT_HEAD.size
+        for _ in range(count):
+            version, key_len, value_len = _SNAPSHOT_ENTRY.unpack_from(data, offset)
+            offset += _SNAPSHOT_ENTRY.size
+            key = codecs.decode_key(bytes(view[offset : offset + key_len]))
+            offset += key_len
+            value = bytes(view[offset : offset + value_len])
+            if len(value) != value_len:
+                raise CodecError("damaged PulsarMap snapshot: truncated")
+            offset += value_len
+            yield key, version, value
+    except struct.error as exc:
+        raise CodecError(f"damaged PulsarMap snapshot: {exc}") from exc
+    if offset != len(data):
+        raise CodecError("damaged PulsarMap snapshot: bytes left over")
+
+
+class DiskSnapshotCodec(MapSnapshotCodec[K, V]):
+    """The map's snapshot codec, reading a disk state's stored bytes as they are (the same
+    bytes :class:`MapSnapshotCodec` writes for the same map). Decoding gives an in-memory
+    state (the core's lossless check); loading a snapshot into the store streams instead
+    (:meth:`DiskMapState.load_snapshot`)."""
+
+    def encode(self, state: MapState[K, V], /) -> bytes:
+        if isinstance(state, _DiskView):
+            try:
+                return self._encode_stored(state.position, state.stored())
+            finally:
+                state.close()
+        if isinstance(state, DiskMapState):  # the live state (the determinism check)
+            view = cast(_DiskView[K, V], state.copy())
+            try:
+                return self._encode_stored(state.position, view.stored())
+            finally:
+                view.close()
+        return super().encode(state)
+
+    def _encode_stored(self, position: int, stored: Iterator[tuple[bytes, bytes]]) -> bytes:
+        key_bytes = self._codecs.key_bytes
+        items: list[tuple[bytes, bytes, bytes]] = []
+        ordered, previous = True, b""
+        for skey, raw in stored:
+            encoded = key_bytes(key_from_store(skey))
+            if encoded < previous:
+                ordered = False  # the key codec's bytes do not follow key order (JSON ints)
+            previous = encoded
+            items.append((encoded, bytes(raw[: _VERSION.size]), bytes(raw[_VERSION.size :])))
+        if not ordered:
+            items.sort()
+        parts = [_SNAPSHOT_MAGIC, _SNAPSHOT_HEAD.pack(position, len(items))]
+        for encoded, version, value in items:
+            parts += [
+                _SNAPSHOT_ENTRY.pack(_VERSION.unpack(version)[0], len(encoded), len(value)),
+                encoded,
+                value,
+            ]
+        return b"".join(parts)

@@ -1,0 +1,276 @@
+"""PulsarMap's disk store, pure (real LMDB on a temporary directory, no broker): the key
+encoding keeps the map's key order, a disk state answers as the in-memory one on random
+records, survives reopening at its mark, its snapshots are the in-memory codec's bytes, and
+bad directories are refused untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pulsar_state import CodecError, JsonCodec, LogMark, LogPosition, StrCodec
+from recipes._map_disk import (
+    FORMAT,
+    MARKER,
+    DiskMapState,
+    DiskSnapshotCodec,
+    DiskStore,
+    LocalStoreError,
+    key_from_store,
+    store_key,
+)
+from recipes._map_ops import MapCodecs, MapOp, MapSnapshotCodec, MapState, key_order
+
+CODECS: MapCodecs[str, Any] = MapCodecs(StrCodec(), JsonCodec())
+TOPIC = "persistent://public/default/disk-unit"
+
+any_keys = st.one_of(
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.binary(max_size=6),
+    st.text(max_size=6),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys=st.lists(any_keys, min_size=2, max_size=20))
+def test_store_key_bytes_sort_as_the_map_orders_keys(keys: list[Any]) -> None:
+    by_map = sorted(keys, key=key_order)
+    by_store = sorted(keys, key=store_key)
+    assert [key_order(k) for k in by_store] == [key_order(k) for k in by_map]
+    for key in keys:
+        assert key_from_store(store_key(key)) == key
+        assert type(key_from_store(store_key(key))) is type(key)
+
+
+def test_store_keys_edge_cases() -> None:
+    ordered: list[Any] = [-(2**64), -256, -255, -1, 0, 1, 255, 256, 2**64, b"", b"\x00", b"\xff"]
+    ordered += ["", "\x00", "\ud7ff", "\ud800", "\ue000", "\U0010ffff"]
+    assert sorted(ordered, key=store_key) == ordered
+    with pytest.raises(CodecError):
+        store_key(1.5)
+
+
+def open_state(path: Path, **options: Any) -> DiskMapState[str, Any]:
+    state: DiskMapState[str, Any] = DiskMapState(DiskStore(path, **options), CODECS, TOPIC)
+    state.open_store()
+    return state
+
+
+map_keys = st.text(alphabet="abcd", min_size=1, max_size=3)
+map_values = st.one_of(
+    st.integers(0, 9),
+    st.lists(st.integers(0, 3), max_size=2),
+    st.dictionaries(map_keys, st.booleans(), max_size=2),
+)
+map_ops = st.one_of(
+    st.builds(lambda k, v: CODECS.put(k, v), map_keys, map_values),
+    st.builds(lambda k: MapOp("DELETE", k, None, k.encode()), map_keys),
+    st.just(MapOp("CLEAR")),
+)
+records = st.lists(st.lists(map_ops, max_size=5), max_size=8)
+
+
+def apply_records(
+    state: MapState[str, Any], recs: list[list[MapOp[str, Any]]], start: int, commit: bool
+) -> None:
+    for offset, ops in enumerate(recs):
+        position = start + offset
+        state.begin(position)
+        for op in ops:
+            state.apply(op)
+        if commit:
+            assert isinstance(state, DiskMapState)
+            state.commit(LogMark(position, f"r{position}", LogPosition(7, position)))
+
+
+def answers(state: MapState[str, Any]) -> dict[str, Any]:
+    """Every read the map makes, on one state."""
+    return {
+        "entries": [(k, e.value, int(e.version)) for k, e in state.entries_in_order()],
+        "keys": list(state.sorted_keys()),
+        "len": len(state.entries),
+        "range": state.items_between("b", "c"),
+        "range_open": state.items_between(None, "b"),
+        "keys_between": state.keys_between("a", "bb"),
+        "get": {k: state.entries.get(k) for k in ["a", "b", "ab", "dd", "zz"]},
+        "in": {k: k in state.entries for k in ["a", "b", "ab", "dd", "zz"]},
+        "values_get": {k: state.values.get(k) for k in ["a", "c", "dcd"]},
+        "matching": [(k, e.value) for k, e in state.matching(lambda k: k.startswith("a"))],
+    }
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(history=records, more=records, batch=records, cache=st.sampled_from([0, 600, 1 << 20]))
+def test_disk_state_answers_as_the_memory_state(
+    tmp_path_factory: pytest.TempPathFactory,
+    history: list[list[MapOp[str, Any]]],
+    more: list[list[MapOp[str, Any]]],
+    batch: list[list[MapOp[str, Any]]],
+    cache: int,
+) -> None:
+    path = tmp_path_factory.mktemp("store")
+    memory: MapState[str, Any] = MapState()
+    disk = open_state(path, cache_bytes=cache)
+    apply_records(memory, history, 1, commit=False)
+    apply_records(disk, history, 1, commit=True)
+    assert answers(disk) == answers(memory)
+    assert disk == memory
+    # Reopened from disk (a new process): the same state, at the mark of its last record.
+    disk.close_store()
+    disk = open_state(path, cache_bytes=cache)
+    assert disk.mark == (
+        LogMark(len(history), f"r{len(history)}", LogPosition(7, len(history)))
+        if history
+        else None
+    )
+    assert disk.position == memory.position
+    assert answers(disk) == answers(memory)
+    apply_records(memory, more, len(history) + 1, commit=False)
+    apply_records(disk, more, len(history) + 1, commit=True)
+    assert answers(disk) == answers(memory)
+    # The writer's trial over each gives the same, and leaves the live state alone.
+    before = answers(disk)
+    trial_memory, trial_disk = memory.trial(), disk.trial()
+    apply_records(trial_memory, batch, 100, commit=False)
+    apply_records(trial_disk, batch, 100, commit=False)
+    assert answers(trial_disk) == answers(trial_memory)
+    assert answers(disk) == before
+    # Snapshots: the same bytes as the in-memory codec's, and loading them back streams in.
+    memory_codec = MapSnapshotCodec(CODECS)
+    disk_codec = DiskSnapshotCodec(CODECS)
+    data = disk_codec.encode(disk.copy())
+    assert data == memory_codec.encode(memory)
+    assert disk_codec.encode(disk) == data
+    mark = LogMark(memory.position, "snap", LogPosition(9, 9))
+    loaded = open_state(tmp_path_factory.mktemp("loaded")).load_snapshot(data, mark)
+    assert answers(loaded) == answers(memory)
+    assert loaded.mark == mark
+    disk.close_store()
+    loaded.close_store()
+
+
+def test_a_record_is_stored_whole_or_not_at_all(tmp_path: Path) -> None:
+    state = open_state(tmp_path)
+    apply_records(state, [[CODECS.put("a", 1), CODECS.put("b", 2)]], 1, commit=True)
+    # The next record is applied but never committed (the process dies before its commit).
+    state.begin(2)
+    state.apply(CODECS.put("a", 10))
+    state.apply(MapOp("DELETE", "b", None, b"b"))
+    assert state.entries["a"].value == 10  # a write's reader sees its own record...
+    assert "b" not in state.entries
+    state.close_store(clean=False)
+    reopened = open_state(tmp_path)
+    # ...but only committed records are stored: record 1, whole.
+    assert reopened.mark is not None and reopened.mark.position == 1
+    assert [(k, e.value) for k, e in reopened.entries_in_order()] == [("a", 1), ("b", 2)]
+    reopened.close_store()
+
+
+def test_the_cache_is_bounded_and_reads_stay_right(tmp_path: Path) -> None:
+    state = open_state(tmp_path, cache_bytes=20_000)
+    for position in range(1, 51):
+        state.begin(position)
+        for i in range(20):
+            state.apply(CODECS.put(f"k{position:03d}-{i:02d}", "x" * 100))
+        state.commit(LogMark(position, f"r{position}", LogPosition(1, position)))
+    assert state.cache.size_bytes <= 20_000
+    assert len(state.cache) < 1000
+    assert state.entries.get("k001-00") is not None
+    assert state.values.get("k001-00") == "x" * 100
+    assert len(state.entries) == 1000
+    state.close_store()
+
+
+def test_a_key_the_store_cannot_hold_is_refused_by_the_trial(tmp_path: Path) -> None:
+    state = open_state(tmp_path)
+    trial = state.trial()
+    trial.begin(1)
+    with pytest.raises(CodecError, match="keys of at most"):
+        trial.apply(CODECS.put("k" * 600, 1))
+    state.close_store()
+
+
+def test_a_directory_that_is_not_a_store_is_refused_untouched(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(LocalStoreError, match="not a PulsarMap store"):
+        open_state(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+    a_file = tmp_path / "notes.txt"
+    with pytest.raises(LocalStoreError, match="not a directory"):
+        open_state(a_file)
+
+
+def test_a_store_of_a_newer_format_is_refused_untouched(tmp_path: Path) -> None:
+    open_state(tmp_path).close_store()
+    (tmp_path / MARKER).write_text(json.dumps({"format": FORMAT + 1}))
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    with pytest.raises(LocalStoreError, match="newer pulsar-state"):
+        open_state(tmp_path)
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+
+
+def test_a_store_of_another_topic_or_codec_is_refused_or_rebuilt(tmp_path: Path) -> None:
+    state = open_state(tmp_path)
+    apply_records(state, [[CODECS.put("a", 1)]], 1, commit=True)
+    state.close_store()
+    other: DiskMapState[str, Any] = DiskMapState(DiskStore(tmp_path), CODECS, TOPIC + "-other")
+    with pytest.raises(LocalStoreError, match="holds the map of topic"):
+        other.open_store()
+    bytes_codecs: MapCodecs[str, Any] = MapCodecs(StrCodec(), StrCodec())
+    with pytest.raises(LocalStoreError, match="codecs"):
+        DiskMapState(DiskStore(tmp_path), bytes_codecs, TOPIC).open_store()
+    # Refused twice, still the old topic's store, as it was.
+    same = open_state(tmp_path)
+    assert same.entries["a"].value == 1
+    same.close_store()
+    rebuilt: DiskMapState[str, Any] = DiskMapState(
+        DiskStore(tmp_path, on_mismatch="rebuild"), CODECS, TOPIC + "-other"
+    )
+    rebuilt.open_store()
+    assert rebuilt.mark is None and len(rebuilt.entries) == 0
+    rebuilt.close_store()
+
+
+def test_a_store_left_open_across_a_machine_restart_is_not_trusted(tmp_path: Path) -> None:
+    state = open_state(tmp_path)
+    apply_records(state, [[CODECS.put("a", 1)]], 1, commit=True)
+    state.close_store(clean=False)  # as if the machine died with it open...
+    env = state._env
+    env.open(TOPIC, state._codec_names())  # ...under another boot id
+    with env.env.begin(write=True, db=env.meta) as txn:
+        info = json.loads(txn.get(b"info"))
+        info["boot_id"] = "another-boot"
+        txn.put(b"info", json.dumps(info).encode())
+    env.close(clean=False)
+    with pytest.raises(LocalStoreError, match="machine restarted"):
+        open_state(tmp_path)
+    # A clean close (synced) is trusted on any boot.
+    rebuilt = open_state(tmp_path, on_mismatch="rebuild")
+    assert rebuilt.mark is None
+    rebuilt.close_store()
+
+
+def test_one_store_serves_one_process(tmp_path: Path) -> None:
+    state = open_state(tmp_path)
+    code = (
+        "import sys\n"
+        "from recipes._map_disk import DiskMapState, DiskStore, LocalStoreError\n"
+        "from recipes._map_ops import MapCodecs\n"
+        "from pulsar_state import StrCodec, JsonCodec\n"
+        f"s = DiskMapState(DiskStore({str(tmp_path)!r}), MapCodecs(StrCodec(), JsonCodec()), "
+        f"{TOPIC!r})\n"
+        "try:\n    s.open_store()\nexcept LocalStoreError as e:\n    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "refused:" in out.stdout and "open in another process" in out.stdout
+    state.close_store()
