@@ -56,7 +56,9 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
-def bench_lmdb(path: str, keys: list[bytes], order: list[bytes], probes: list[bytes]) -> dict[str, Any]:
+def bench_lmdb(
+    path: str, keys: list[bytes], order: list[bytes], probes: list[bytes]
+) -> dict[str, Any]:
     import lmdb
 
     env = lmdb.open(path, map_size=1 << 34, max_dbs=2, metasync=False, sync=False, writemap=True)
@@ -140,7 +142,12 @@ def bench_rocksdict(
             count += 1
         assert count == len(keys) + 1  # the position key shares the keyspace
 
-    result = {"put_s": _timed(puts), "put_one_s": _timed(puts_one_each), "get_s": _timed(gets), "iterate_s": _timed(iterate)}
+    result = {
+        "put_s": _timed(puts),
+        "put_one_s": _timed(puts_one_each),
+        "get_s": _timed(gets),
+        "iterate_s": _timed(iterate),
+    }
     result["get_own_txn_s"] = result["get_s"]  # no read transactions: each get is one call
     db.flush()
     db.close()

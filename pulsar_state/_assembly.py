@@ -24,6 +24,7 @@ from ._bootstrap import replay_to_tail
 from ._codecs import Codec
 from ._context import Context
 from ._credentials import warn_if_rest_blind
+from ._durable import DurableState
 from ._errors import ClosedError, ConfigurationError
 from ._machine import StateMachine
 from ._pending import PendingWrites
@@ -81,6 +82,7 @@ class OpenOptions(Generic[S]):
     snapshot_chunk_bytes: int
     load_snapshot: bool
     on_progress: Callable[[ReplayProgress], None] | None
+    durable_state: DurableState[S] | None = None
 
     def __post_init__(self) -> None:
         if self.trim_history and self.snapshot_codec is None:
@@ -161,8 +163,14 @@ class Assembly(Generic[S, Op]):
                 deadline=deadline,
                 what=f"checking the policies of {topic}",
             )
+        resumed = False
+        if options.durable_state is not None:
+            replica.durable = options.durable_state
+            resumed = await self._resume(options.durable_state, deadline)
         if options.snapshot_codec is not None:
-            self.snapshots = await self._start_snapshots(options.snapshot_codec, deadline)
+            self.snapshots = await self._start_snapshots(
+                options.snapshot_codec, deadline, load=options.load_snapshot and not resumed
+            )
             if options.trim_history:
                 replica.fall_forward = self.snapshots.fall_forward
         self.pump_task = asyncio.create_task(replica.pump(), name=f"pulsar-state-pump-{topic}")
@@ -196,7 +204,47 @@ class Assembly(Generic[S, Op]):
             ),
         ]
 
-    async def _start_snapshots(self, codec: Codec[S], deadline: float) -> SnapshotPolicy[S]:
+    async def _resume(self, durable: DurableState[S], deadline: float) -> bool:
+        """Start from what a durable state has stored, as from a snapshot: its mark checked
+        against the topic, the reader right after it. False if nothing is stored, or the
+        stored history was refused and ``durable.refuse`` emptied it (it raises otherwise)."""
+        replica, context, conn, admin = self._replica, self._context, self.conn, self._admin
+        mark = durable.stored_mark(replica.state)
+        if mark is None:
+            return False
+        assert conn is not None
+        if admin is None:
+            raise ConfigurationError("durable_state needs the admin REST API (admin_url=)")
+        topic = str(context.topic)
+        log = SnapshotStore(
+            conn, admin, context.topic, chunk_bytes=1, timeout_s=context.settings.open_timeout_s
+        )
+        mismatch = await retry_transient(
+            lambda: log.covered_mismatch(
+                mark.log_position, mark.record_id, what="the stored state"
+            ),
+            deadline=deadline,
+            what=f"checking the stored state against {topic}",
+        )
+        if mismatch is not None:
+            reason = (
+                f"the stored state (position {mark.position}, record {mark.record_id} at "
+                f"{mark.log_position}) is not part of {topic}'s history: {mismatch}"
+            )
+            replica.state = durable.refuse(replica.state, reason)  # raises to refuse
+            logger.warning("%s; rebuilt from the log", reason)
+            return False
+        replica.load(replica.state, mark.position, mark.record_id, mark.log_position)
+        await retry_transient(
+            lambda: replica.open_reader(conn), deadline=deadline, what=f"reopening {topic}"
+        )
+        context.stats.resumed_position = mark.position
+        logger.info("%s resumes from its stored state at position %d", topic, mark.position)
+        return True
+
+    async def _start_snapshots(
+        self, codec: Codec[S], deadline: float, *, load: bool
+    ) -> SnapshotPolicy[S]:
         options, context, conn = self._options, self._context, self.conn
         assert self._admin is not None  # required with snapshots
         assert conn is not None
@@ -222,9 +270,10 @@ class Assembly(Generic[S, Op]):
                 codec,
                 self._replica,
                 self._machine.full_copy,
-                load=options.load_snapshot,
+                load=load,
                 trim_log=self._tail.trim_through if options.trim_history else None,
                 keep_snapshots=options.keep_snapshots,
+                durable=options.durable_state,
             ),
             deadline=deadline,
             what="loading a snapshot",

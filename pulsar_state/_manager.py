@@ -33,6 +33,7 @@ from ._assembly import Assembly, OpenOptions, close_budget
 from ._codecs import Codec, JsonCodec
 from ._context import Context, Settings, Tunables
 from ._credentials import admin_client, check_admin_headers, secured_client_options
+from ._durable import DurableState
 from ._envelope import SnapshotManifest
 from ._errors import (
     ClosedError,
@@ -143,6 +144,11 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         tls_validate_hostname: check that the broker's certificate names its host (both
             paths; default False, as pulsar-client).
         client_options: extra ``pulsar.Client`` options (listener_name, io_threads, ...).
+        durable_state: for a state that keeps itself on durable storage with the position
+            of the last record it holds (:class:`DurableState`): each accepted record is
+            committed to it with its :class:`LogMark`, and opening resumes from the stored
+            mark (checked against the topic, as a snapshot's is) and replays only the tail.
+            Needs the admin REST API (for that check).
     """
 
     def __init__(
@@ -156,6 +162,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         copy_state: Callable[[S], S] | None = DEFAULT_COPY,
         begin_record: Callable[[S, int], S | None] | None = None,
         trial_state: Callable[[S], S] | None = None,
+        durable_state: DurableState[S] | None = None,
         admin_url: str | None = None,
         on_corrupt: OnCorrupt = "halt",
         check_topic: bool = True,
@@ -200,11 +207,12 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             snapshot_chunk_bytes=snapshot_chunk_bytes,
             load_snapshot=load_snapshot,
             on_progress=on_progress,
+            durable_state=durable_state,
         )
         check_admin_headers(admin_headers)
         # The admin REST client only where it is needed: the tail comes over the binary protocol.
         self._admin: AdminClient | None = None
-        if admin_url is not None or check_topic or snapshot_codec is not None:
+        if admin_url is not None or check_topic or snapshot_codec is not None or durable_state:
             self._admin = admin_client(
                 resolve_admin_url(pulsar, admin_url), authentication, admin_headers, client_options
             )

@@ -18,6 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_fixed
 
 from ._context import Context
+from ._durable import DurableState, LogMark
 from ._envelope import Record, decode_record
 from ._errors import (
     ApplyError,
@@ -103,6 +104,8 @@ class Replica(Generic[S, Op]):
         # least the one given into this replica; False if there is none to load.
         self.fall_forward: Callable[[int], Awaitable[bool]] | None = None
         self._behind: tuple[Record, LogPosition] | None = None
+        # Set for a state that stores itself (``durable_state``): each record is committed.
+        self.durable: DurableState[S] | None = None
 
     def load(self, state: S, version: int, last_record_id: str, read_to: LogPosition) -> None:
         """Start from a snapshot instead of the empty state."""
@@ -371,6 +374,20 @@ class Replica(Generic[S, Op]):
                 cause=exc,
             )
             return
+        if self.durable is not None:
+            try:
+                self.durable.commit(self.state, LogMark(self.version + 1, record.record_id, at))
+            except Exception as exc:
+                # Not stored, so not applied: stop at the last record stored (the log keeps
+                # this one; a replica reopened once the cause is fixed applies it).
+                self.halt_with(
+                    PulsarStateError(
+                        f"could not store record {record.record_id} (message {at}) in the "
+                        f"durable state: {type(exc).__name__}: {exc}"
+                    ),
+                    cause=exc,
+                )
+                return
         observe_apply(self._stats, self._context.attributes, time.perf_counter() - started)
         self.version += 1
         self.last_record_id = record.record_id

@@ -28,6 +28,7 @@ from typing import Any, Generic, TypeVar
 from ._admin import AdminClient, TopicName
 from ._codecs import Codec
 from ._context import Context
+from ._durable import DurableState, LogMark
 from ._envelope import (
     SnapshotManifest,
     decode_chunk,
@@ -214,12 +215,11 @@ class SnapshotStore:
         if manifest.position == 0 and manifest.log_ledger < 0:
             return None  # the empty state: it describes any topic
         covered = LogPosition(manifest.log_ledger, manifest.log_entry)
-        found = await self.log_message(covered, patient=patient)
-        if found is None or found[0] != covered:
-            return f"the log has no message at {covered}, the last one the snapshot covers"
-        expected = manifest.log_covered_record
-        if expected is not None and found[1] != expected:
-            return f"the message at {covered} is {found[1]}, not {expected}"
+        mismatch = await self.covered_mismatch(
+            covered, manifest.log_covered_record, what="the snapshot", patient=patient
+        )
+        if mismatch is not None:
+            return mismatch
         if manifest.log_first_record is None:
             return None  # an older manifest: nothing more to check
         first = await self.log_message(None, patient=patient)
@@ -233,6 +233,19 @@ class SnapshotStore:
                 f"the log begins with {first}, the snapshot's history with "
                 f"{(first_at, manifest.log_first_record)}"
             )
+        return None
+
+    async def covered_mismatch(
+        self, covered: LogPosition, record: str | None, *, what: str, patient: bool = False
+    ) -> str | None:
+        """Why the state topic does not hold ``record`` (its fingerprint: a record id) at
+        ``covered``, the last message ``what`` covers; None if it does. Ledger ids are never
+        reused, so another topic, or one deleted and created again, has no such message."""
+        found = await self.log_message(covered, patient=patient)
+        if found is None or found[0] != covered:
+            return f"the log has no message at {covered}, the last one {what} covers"
+        if record is not None and found[1] != record:
+            return f"the message at {covered} is {found[1]}, not {record}"
         return None
 
     async def write(
@@ -379,8 +392,10 @@ class SnapshotPolicy(Generic[S]):
         copy_state: Callable[[S], S],
         trim_log: Callable[[LogPosition], Awaitable[None]] | None = None,
         keep_snapshots: int = 2,
+        durable: DurableState[S] | None = None,
     ) -> None:
         self._context = context
+        self._durable = durable
         self._trim_log = trim_log
         self._keep_snapshots = keep_snapshots
         self._store = store
@@ -409,11 +424,13 @@ class SnapshotPolicy(Generic[S]):
         load: bool,
         trim_log: Callable[[LogPosition], Awaitable[None]] | None = None,
         keep_snapshots: int = 2,
+        durable: DurableState[S] | None = None,
     ) -> SnapshotPolicy[S]:
         """The policy of a replica about to start: loads the newest good snapshot into it
         (unless ``load`` is False) and registers the determinism check as its hook.
-        ``trim_log``: trim the history behind the ``keep_snapshots`` newest snapshots."""
-        policy = cls(context, store, codec, replica, copy_state, trim_log, keep_snapshots)
+        ``trim_log``: trim the history behind the ``keep_snapshots`` newest snapshots.
+        ``durable``: a snapshot is loaded by storing it there (not by decoding it)."""
+        policy = cls(context, store, codec, replica, copy_state, trim_log, keep_snapshots, durable)
         hooks = list(replica.after_apply)
         replica.after_apply.append(policy.check_determinism)
         try:
@@ -474,7 +491,15 @@ class SnapshotPolicy(Generic[S]):
                     continue
                 started = time.monotonic()
                 data = await self._store.load(manifest)
-                state = await asyncio.to_thread(self._codec.decode, data)
+                at = LogPosition(manifest.log_ledger, manifest.log_entry)
+                if self._durable is not None:
+                    # Stored as it is loaded (streamed, in one transaction of its own).
+                    mark = LogMark(manifest.position, manifest.record_id, at)
+                    state = await asyncio.to_thread(
+                        self._durable.load_snapshot, self._replica.state, data, mark
+                    )
+                else:
+                    state = await asyncio.to_thread(self._codec.decode, data)
             except (PulsarStateError, TimeoutError) as exc:
                 if transient_raises and is_transient(exc):
                     raise

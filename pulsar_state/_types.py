@@ -142,10 +142,21 @@ class ManagerStats:
     replay_progress: float | None = None
     history_trims: int = 0  # times this manager moved the trim point (trim_history)
     fell_forward: int = 0  # times this replica, behind a trimmed log, loaded a snapshot
+    # The position a durable state (``durable_state=``) resumed from at open; None if it did
+    # not (nothing stored, or refused and rebuilt).
+    resumed_position: int | None = None
 
 
 # The options that define a manager's state machine: a recipe that brings its own machine
 # sets these itself and refuses them from its callers.
 STATE_MACHINE_OPTIONS = frozenset(
-    {"initial_state", "apply", "codec", "copy_state", "trial_state", "begin_record"}
+    {
+        "initial_state",
+        "apply",
+        "codec",
+        "copy_state",
+        "trial_state",
+        "begin_record",
+        "durable_state",
+    }
 )

@@ -13,6 +13,7 @@
 
 from ._lease_sync import SyncEventStream, SyncLeaderElection, SyncMembership
 from ._lease_table import Lease, LeaseEvent, NotHeldError, StaleTokenError, UnknownResourceError
+from ._map_disk import DiskStore, LocalStoreError
 from ._map_ops import FrozenDict, FrozenList, MapEntry, MapEvent, MapVersion, thaw
 from ._map_sync import SyncMapWatch, SyncPulsarMap
 from ._map_watch import MapWatch, WatchOverflowError
@@ -27,6 +28,7 @@ from .ownership import Ownership
 
 __all__ = [
     "Counter",
+    "DiskStore",
     "EventStream",
     "FrozenDict",
     "FrozenList",
@@ -34,6 +36,7 @@ __all__ = [
     "LeaderElection",
     "Lease",
     "LeaseEvent",
+    "LocalStoreError",
     "MapEntry",
     "MapEvent",
     "MapVersion",

@@ -462,8 +462,8 @@ class DiskMapState(MapState[K, V]):
         self._mark: LogMark | None = None
         self._read_txn: Any = None
         self._loading = False
-        self.entries = _DiskEntries(self)
-        self.values = _DiskValues(self)
+        self.entries = _DiskEntries(self)  # type: ignore[assignment]
+        self.values = _DiskValues(self)  # type: ignore[assignment]
 
     # ------------------------------------------------------------ opening and closing
 
@@ -616,7 +616,10 @@ class DiskMapState(MapState[K, V]):
         # Inside a record (a write's reader): merge its changes in. Rare, so simple.
         merged: dict[bytes, tuple[K, MapEntry[V] | None]] = {}
         for skey, raw in self._stored(low, high):
-            merged[bytes(skey)] = (key_from_store(skey), self._decode(raw)[0] if with_values else None)
+            merged[bytes(skey)] = (
+                key_from_store(skey),
+                self._decode(raw)[0] if with_values else None,
+            )
         for key, entry in pending.items():
             skey = store_key(key)
             if (low is not None and skey < low) or (high is not None and skey >= high):
@@ -662,7 +665,7 @@ class DiskMapState(MapState[K, V]):
             return False
         return dict(self.entries_in_order()) == dict(other.entries_in_order())
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
     # ------------------------------------------------------------ applying
 
@@ -824,7 +827,7 @@ class _DiskEntries(Mapping[K, MapEntry[V]]):
     def __init__(self, state: DiskMapState[K, V]) -> None:
         self._state = state
 
-    def get(self, key: K, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: K, default: Any = None) -> Any:
         found = self._state.lookup(key)
         return default if found is None else found
 
@@ -855,7 +858,7 @@ class _DiskValues(Mapping[K, V]):
     def __init__(self, state: DiskMapState[K, V]) -> None:
         self._state = state
 
-    def get(self, key: K, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: K, default: Any = None) -> Any:
         found = self._state.lookup(key)
         return default if found is None else found.value
 
@@ -908,12 +911,15 @@ class _DiskView(MapState[K, V]):
             return False
         return dict(self.entries_in_order()) == dict(other.entries_in_order())
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
     def close(self) -> None:
         txn, self._txn = self._txn, None
         if txn is not None:
             txn.abort()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 # ---------------------------------------------------------------------- snapshot bytes
@@ -956,11 +962,8 @@ class DiskSnapshotCodec(MapSnapshotCodec[K, V]):
     (:meth:`DiskMapState.load_snapshot`)."""
 
     def encode(self, state: MapState[K, V], /) -> bytes:
-        if isinstance(state, _DiskView):
-            try:
-                return self._encode_stored(state.position, state.stored())
-            finally:
-                state.close()
+        if isinstance(state, _DiskView):  # its transaction ends when the view is dropped
+            return self._encode_stored(state.position, state.stored())
         if isinstance(state, DiskMapState):  # the live state (the determinism check)
             view = cast(_DiskView[K, V], state.copy())
             try:

@@ -207,8 +207,7 @@ class WatchHub(Generic[K, V]):
         position = self._manager.position
         initial: list[MapEvent[K, V]] = []
         if snapshot:
-            for key in state.sorted_keys():
-                entry = state.entries[key]
+            for key, entry in state.entries_in_order():
                 event = MapEvent("put", key, entry.value, entry.version, position, initial=True)
                 if accept(event):
                     initial.append(event)

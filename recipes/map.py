@@ -52,6 +52,7 @@ from pulsar_state import (
     WriteResult,
 )
 
+from ._map_disk import DiskDurability, DiskMapState, DiskSnapshotCodec, DiskStore
 from ._map_ops import (
     KEY_TYPES,
     NO_VERSION,
@@ -85,10 +86,30 @@ _CLEAR: MapOp[Any, Any] = MapOp("CLEAR")
 #: :meth:`PulsarMap.update_multiple` never visits them, so that clearing the data does not
 #: make a sink apply its batches again. Name such a key (``delete``, ``put``) to change it.
 PROTECTED_PREFIX = "__sink__/"
+# The first str after every key starting with PROTECTED_PREFIX ("/" + 1 is "0").
+_PROTECTED_PREFIX_END = PROTECTED_PREFIX[:-1] + chr(ord(PROTECTED_PREFIX[-1]) + 1)
 
 
 def _protected(key: Any) -> bool:
     return isinstance(key, str) and key.startswith(PROTECTED_PREFIX)
+
+
+# The state's own methods, looked up on each call: a disk state and the trial overlay each
+# have their own.
+def _apply_op(state: MapState[K, V], op: MapOp[K, V]) -> None:
+    state.apply(op)
+
+
+def _begin_record(state: MapState[K, V], position: int) -> None:
+    state.begin(position)
+
+
+def _trial_of(state: MapState[K, V]) -> MapState[K, V]:
+    return state.trial()
+
+
+def _copy_of(state: MapState[K, V]) -> MapState[K, V]:
+    return state.copy()
 
 
 def _new_tag() -> bytes:
@@ -121,6 +142,10 @@ class PulsarMap(Generic[K, V]):
         snapshots: enable snapshots (:meth:`snapshot`, ``snapshot_every_records``...) with the
             map's own deterministic codec, built from ``key_codec`` and ``value_codec``
             (keys, values and versions); opening then loads the newest snapshot.
+        store: where the entries live: None (default) keeps them in memory;
+            :class:`~recipes.DiskStore` keeps them on local disk (LMDB) with a cache of decoded
+            values, commits each record with its log position, and resumes from there when
+            the map opens again (only the log's tail is replayed).
         **manager_options: passed to :class:`~pulsar_state.SharedStateManager` (``admin_url``,
             timeouts, ``name``, ...); not ``initial_state``/``apply``/``codec``/``copy_state``/
             ``begin_record``, which the map sets.
@@ -161,6 +186,7 @@ class PulsarMap(Generic[K, V]):
         key_codec: None = None,
         value_codec: None = None,
         snapshots: bool = False,
+        store: DiskStore | None = None,
         **manager_options: Any,
     ) -> None: ...
 
@@ -173,6 +199,7 @@ class PulsarMap(Generic[K, V]):
         key_codec: None = None,
         value_codec: Codec[V],
         snapshots: bool = False,
+        store: DiskStore | None = None,
         **manager_options: Any,
     ) -> None: ...
 
@@ -185,6 +212,7 @@ class PulsarMap(Generic[K, V]):
         key_codec: Codec[K],
         value_codec: None = None,
         snapshots: bool = False,
+        store: DiskStore | None = None,
         **manager_options: Any,
     ) -> None: ...
 
@@ -197,6 +225,7 @@ class PulsarMap(Generic[K, V]):
         key_codec: Codec[K],
         value_codec: Codec[V],
         snapshots: bool = False,
+        store: DiskStore | None = None,
         **manager_options: Any,
     ) -> None: ...
 
@@ -208,33 +237,47 @@ class PulsarMap(Generic[K, V]):
         key_codec: Codec[Any] | None = None,
         value_codec: Codec[Any] | None = None,
         snapshots: bool = False,
+        store: DiskStore | None = None,
         **manager_options: Any,
     ) -> None:
         reserved = sorted(_RESERVED_OPTIONS & manager_options.keys())
         if reserved:
             raise ConfigurationError(f"PulsarMap sets {', '.join(reserved)} itself")
+        if store is not None and not isinstance(store, DiskStore):
+            raise ConfigurationError(f"store must be a DiskStore or None, not {store!r}")
         self._codecs: MapCodecs[K, V] = MapCodecs(
             cast(Codec[K], key_codec if key_codec is not None else StrCodec()),
             cast(Codec[V], value_codec if value_codec is not None else JsonCodec()),
         )
-        state: MapState[K, V] = MapState()
+        disk = None if store is None else DiskMapState(store, self._codecs)
+        state: MapState[K, V] = MapState() if disk is None else disk
         self._state = state
+        self._disk = disk
+        snapshot_codec: MapSnapshotCodec[K, V] | None = None
+        if snapshots:
+            snapshot_codec = (
+                MapSnapshotCodec(self._codecs) if disk is None else DiskSnapshotCodec(self._codecs)
+            )
         # apply mutates the state in place, so the manager keeps this very object: the local
         # view reads it directly, with no I/O.
         self._manager: SharedStateManager[MapState[K, V], MapOp[K, V]] = SharedStateManager(
             pulsar,
             topic,
             initial_state=lambda: state,
-            apply=MapState.apply,
+            apply=_apply_op,
             codec=MapOpCodec(self._codecs),
             # The writer's trial run works on an overlay (O(what a batch changes)); snapshots
-            # take a full copy, encoded in another thread.
-            trial_state=MapState.trial,
-            copy_state=MapState.copy,
-            begin_record=MapState.begin,
-            snapshot_codec=MapSnapshotCodec(self._codecs) if snapshots else None,
+            # take a full copy (a disk store: a read transaction), encoded in another thread.
+            trial_state=_trial_of,
+            copy_state=_copy_of,
+            begin_record=_begin_record,
+            snapshot_codec=snapshot_codec,
+            # A disk store keeps its own log mark: opening resumes from it.
+            durable_state=None if disk is None else DiskDurability(),
             **manager_options,
         )
+        if disk is not None:
+            disk.bind_topic(str(self._manager.topic))
         self._watches = WatchHub(state, self._manager)
         self._snapshots = snapshots
         self._opened = False
@@ -264,8 +307,14 @@ class PulsarMap(Generic[K, V]):
         if self._closed:
             raise ClosedError(f"map on {self.topic} is closed")
         try:
+            if self._disk is not None and not self._disk.is_open:
+                self._disk.open_store()
             await self._manager.open(timeout=timeout)
         except BaseException as exc:
+            if self._disk is not None:
+                # Every commit is whole: what is stored is one record boundary, so a failed
+                # open still closes cleanly (a refused store was closed untouched already).
+                self._disk.close_store(clean=self._disk.is_open)
             # Watches opened before open() end with the failure instead of waiting forever.
             failure = (
                 exc if isinstance(exc, PulsarStateError) else ClosedError(f"open failed: {exc!r}")
@@ -320,7 +369,12 @@ class PulsarMap(Generic[K, V]):
         self._closed = True
         self._serve_local_checked()
         await self._watches.aclose()
-        await self._manager.aclose(timeout=timeout)
+        try:
+            await self._manager.aclose(timeout=timeout)
+        finally:
+            if self._disk is not None:
+                # After the pump stopped: nothing applies to it any more.
+                self._disk.close_store()
 
     async def __aenter__(self) -> PulsarMap[K, V]:
         await self.open()
@@ -467,10 +521,9 @@ class PulsarMap(Generic[K, V]):
         """
 
         def run(state: MapState[K, V]) -> list[tuple[K, MapEntry[V]]]:
-            entries = state.entries
             return [
-                (key, MapEntry(readable(entries[key].value), entries[key].version))
-                for key in state.sorted_keys()
+                (key, MapEntry(readable(entry.value), entry.version))
+                for key, entry in state.entries_in_order()
             ]
 
         return await self._read(run, latest, timeout)
@@ -527,14 +580,12 @@ class PulsarMap(Generic[K, V]):
     def values(self) -> list[V]:
         """The local values, in key order (a snapshot)."""
         self._check_usable()
-        entries = self._state.entries
-        return [readable(entries[key].value) for key in self._state.sorted_keys()]
+        return [readable(entry.value) for _key, entry in self._state.entries_in_order()]
 
     def items(self) -> list[tuple[K, V]]:
         """The local entries, in key order (a snapshot)."""
         self._check_usable()
-        entries = self._state.entries
-        return [(key, readable(entries[key].value)) for key in self._state.sorted_keys()]
+        return [(key, readable(entry.value)) for key, entry in self._state.entries_in_order()]
 
     @overload
     def get_local(self, key: K, /) -> V | None: ...
@@ -614,12 +665,12 @@ class PulsarMap(Generic[K, V]):
         codecs = self._codecs
 
         def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
-            kept = [(key, entry) for key, entry in state.entries.items() if _protected(key)]
+            # The protected keys are one key range: O(log n + kept), never a walk over the map.
+            kept = state.items_between(cast(K, PROTECTED_PREFIX), cast(K, _PROTECTED_PREFIX_END))
             if len(kept) == len(state.entries):
                 return []  # nothing to remove
             return [_CLEAR] + [
-                codecs.put_known(key, codecs.key_bytes(key), thaw(entry.value))
-                for key, entry in kept
+                codecs.put_known(key, codecs.key_bytes(key), thaw(value)) for key, value in kept
             ]
 
         return (await self._write(generator, lambda s: None, timeout)).position

@@ -129,9 +129,7 @@ def test_disk_state_answers_as_the_memory_state(
     disk.close_store()
     disk = open_state(path, cache_bytes=cache)
     assert disk.mark == (
-        LogMark(len(history), f"r{len(history)}", LogPosition(7, len(history)))
-        if history
-        else None
+        LogMark(len(history), f"r{len(history)}", LogPosition(7, len(history))) if history else None
     )
     assert disk.position == memory.position
     assert answers(disk) == answers(memory)
@@ -171,7 +169,8 @@ def test_a_record_is_stored_whole_or_not_at_all(tmp_path: Path) -> None:
     state.close_store(clean=False)
     reopened = open_state(tmp_path)
     # ...but only committed records are stored: record 1, whole.
-    assert reopened.mark is not None and reopened.mark.position == 1
+    assert reopened.mark is not None
+    assert reopened.mark.position == 1
     assert [(k, e.value) for k, e in reopened.entries_in_order()] == [("a", 1), ("b", 2)]
     reopened.close_store()
 
@@ -237,7 +236,8 @@ def test_a_store_of_another_topic_or_codec_is_refused_or_rebuilt(tmp_path: Path)
         DiskStore(tmp_path, on_mismatch="rebuild"), CODECS, TOPIC + "-other"
     )
     rebuilt.open_store()
-    assert rebuilt.mark is None and len(rebuilt.entries) == 0
+    assert rebuilt.mark is None
+    assert len(rebuilt.entries) == 0
     rebuilt.close_store()
 
 
@@ -272,5 +272,6 @@ def test_one_store_serves_one_process(tmp_path: Path) -> None:
         "try:\n    s.open_store()\nexcept LocalStoreError as e:\n    print('refused:', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "refused:" in out.stdout and "open in another process" in out.stdout
+    assert "refused:" in out.stdout
+    assert "open in another process" in out.stdout
     state.close_store()
