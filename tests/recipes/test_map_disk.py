@@ -238,6 +238,34 @@ async def test_a_new_store_is_built_from_the_newest_snapshot_and_the_tail(
         assert disk.stats.records_read == 0
 
 
+async def test_a_full_disk_halts_the_replica_and_loses_nothing(
+    service_url: str, admin_url: str, topic: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "s"
+    async with (
+        new_map(service_url, topic, admin_url) as memory,
+        new_map(service_url, topic, admin_url, store=DiskStore(path, map_size=256 * 1024)) as disk,
+    ):
+        for batch in range(12):
+            await memory.put_all({f"k{batch}-{i}": "x" * 4000 for i in range(10)})
+        for _ in range(int(WAIT_S / 0.05)):
+            if disk.manager.halted is not None:
+                break
+            await asyncio.sleep(0.05)
+        halted = disk.manager.halted
+        assert halted is not None
+        assert "could not store record" in str(halted)
+        assert disk._disk is not None
+        mark = disk._disk.mark
+        assert mark is not None
+        assert mark.position == disk.position < memory.position
+        expected = await answers(memory)
+    # The log is the durable copy: with room again, the store resumes and catches up.
+    async with new_map(service_url, topic, admin_url, store=DiskStore(path)) as disk:
+        assert disk.stats.resumed_position == mark.position
+        assert await answers(disk) == expected
+
+
 def read_store(path: Path, topic: str) -> tuple[LogMark | None, list[tuple[str, Any, int]]]:
     state: DiskMapState[str, Any] = DiskMapState(
         DiskStore(path), MapCodecs(StrCodec(), JsonCodec()), topic
