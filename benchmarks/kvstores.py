@@ -169,7 +169,12 @@ def main() -> None:
     base = args.dir or tempfile.mkdtemp(prefix="kv-bench-")
     results: dict[str, dict[str, list[float]]] = {}
     for _round in range(args.rounds):
-        for name, bench in (("lmdb", bench_lmdb), ("rocksdict", bench_rocksdict)):
+        benches: list[tuple[str, Callable[..., dict[str, Any]]]] = [
+            ("lmdb", bench_lmdb),
+            ("lmdb-writemap", lambda *a: bench_lmdb(*a, writemap=True)),
+            ("rocksdict", bench_rocksdict),
+        ]
+        for name, bench in benches:
             path = os.path.join(base, name)
             shutil.rmtree(path, ignore_errors=True)
             os.makedirs(path)

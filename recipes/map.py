@@ -890,8 +890,9 @@ class PulsarMap(Generic[K, V]):
 
         ``from_position=p`` resumes a watch: no snapshot, and only the changes at positions
         after ``p`` (an event's ``position``), the earlier ones not even queued. Before
-        :meth:`open` (a map without snapshots) that is any ``p``; on an open map, ``p`` must
-        not be behind the replica (it keeps no history): ConfigurationError otherwise. If
+        :meth:`open` (a map without snapshots or a disk store) that is any ``p``; on an open
+        map, ``p`` must not be behind the replica (it keeps no history): ConfigurationError
+        otherwise. If
         the topic's history before ``p`` was trimmed (``trim_history``), the opening replay
         cannot pass the trimmed point and the watch ends with that error.
         """
@@ -901,6 +902,11 @@ class PulsarMap(Generic[K, V]):
             raise ClosedError(
                 f"map on {self.topic} is not open: a map with snapshots only watches once open "
                 "(opening may load a snapshot and skip the history before it)"
+            )
+        elif self._disk is not None:
+            raise ClosedError(
+                f"map on {self.topic} is not open: a map on a disk store only watches once "
+                "open (opening resumes from the store and skips the history before it)"
             )
         if key is not None and prefix is not None:
             raise ConfigurationError("watch one key or one prefix, not both")

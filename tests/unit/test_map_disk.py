@@ -275,3 +275,12 @@ def test_one_store_serves_one_process(tmp_path: Path) -> None:
     assert "refused:" in out.stdout
     assert "open in another process" in out.stdout
     state.close_store()
+
+
+def test_a_disk_map_watches_only_once_open(tmp_path: Path) -> None:
+    from pulsar_state import ClosedError
+    from recipes import PulsarMap
+
+    m = PulsarMap("pulsar://127.0.0.1:1", "t", store=DiskStore(tmp_path), check_topic=False)
+    with pytest.raises(ClosedError, match="disk store only watches once open"):
+        m.changes()
