@@ -6,7 +6,7 @@ latency, and the time to open again: from the local store, from a snapshot, by a
 
 One topic is preloaded with ``--keys`` keys of 100-byte values (25,000-key ``put_all``
 records) by a disk-backed writer. Every measurement then runs in its own Python process, so
-that its peak RSS (``ru_maxrss``) is its own: it opens the map the way named, reports the
+that its peak RSS (``VmHWM``) is its own: it opens the map the way named, reports the
 open time and how many records it read, times ``--puts`` sequential ``put`` calls (half new
 keys, half overwrites), then cached gets (keys it just wrote) and uncached gets (random keys
 of the whole map). Results go to stdout as JSON and to ``benchmarks/disk_results.json``.
@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import random
-import resource
 import shutil
 import subprocess
 import sys
@@ -60,7 +59,8 @@ def _rss() -> dict[str, float]:
         return int(fields.get(name, "0 kB").split()[0]) / 1024
 
     return {
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # VmHWM, not ru_maxrss: that one keeps the parent's peak across fork and exec.
+        "peak_rss_mb": mb("VmHWM"),
         "rss_anon_mb": mb("RssAnon"),
         "rss_file_mb": mb("RssFile"),
     }

@@ -24,7 +24,7 @@ from ._bootstrap import replay_to_tail
 from ._codecs import Codec
 from ._context import Context
 from ._credentials import warn_if_rest_blind
-from ._durable import DurableState
+from ._durable import DurableState, LogMark
 from ._errors import ClosedError, ConfigurationError
 from ._machine import StateMachine
 from ._pending import PendingWrites
@@ -147,6 +147,14 @@ class Assembly(Generic[S, Op]):
                     deadline=deadline,
                     what=f"checking access to {topic}",
                 )
+        stored = None
+        if options.durable_state is not None:
+            replica.durable = options.durable_state
+            stored = options.durable_state.stored_mark(replica.state)
+            if stored is not None:
+                # The reader starts right after the stored mark (checked below, once the
+                # topic surely exists): it never prefetches the history before it.
+                replica.load(replica.state, stored.position, stored.record_id, stored.log_position)
         # Creating the reader also creates the topic, so its policies exist.
         await retry_transient(
             lambda: replica.attach(conn), deadline=deadline, what=f"opening a reader on {topic}"
@@ -164,9 +172,8 @@ class Assembly(Generic[S, Op]):
                 what=f"checking the policies of {topic}",
             )
         resumed = False
-        if options.durable_state is not None:
-            replica.durable = options.durable_state
-            resumed = await self._resume(options.durable_state, deadline)
+        if options.durable_state is not None and stored is not None:
+            resumed = await self._resume(options.durable_state, stored, deadline)
         if options.snapshot_codec is not None:
             self.snapshots = await self._start_snapshots(
                 options.snapshot_codec, deadline, load=options.load_snapshot and not resumed
@@ -204,14 +211,12 @@ class Assembly(Generic[S, Op]):
             ),
         ]
 
-    async def _resume(self, durable: DurableState[S], deadline: float) -> bool:
-        """Start from what a durable state has stored, as from a snapshot: its mark checked
-        against the topic, the reader right after it. False if nothing is stored, or the
-        stored history was refused and ``durable.refuse`` emptied it (it raises otherwise)."""
+    async def _resume(self, durable: DurableState[S], mark: LogMark, deadline: float) -> bool:
+        """Start from what a durable state has stored (``mark``, loaded into the replica
+        already), as from a snapshot: the mark is checked against the topic. False if the
+        stored history was refused and ``durable.refuse`` emptied it (it raises otherwise):
+        the replica then starts from the beginning."""
         replica, context, conn, admin = self._replica, self._context, self.conn, self._admin
-        mark = durable.stored_mark(replica.state)
-        if mark is None:
-            return False
         assert conn is not None
         if admin is None:
             raise ConfigurationError("durable_state needs the admin REST API (admin_url=)")
@@ -231,13 +236,13 @@ class Assembly(Generic[S, Op]):
                 f"the stored state (position {mark.position}, record {mark.record_id} at "
                 f"{mark.log_position}) is not part of {topic}'s history: {mismatch}"
             )
-            replica.state = durable.refuse(replica.state, reason)  # raises to refuse
+            emptied = durable.refuse(replica.state, reason)  # raises to refuse
             logger.warning("%s; rebuilt from the log", reason)
+            replica.load(emptied, 0, "", None)
+            await retry_transient(
+                lambda: replica.open_reader(conn), deadline=deadline, what=f"reopening {topic}"
+            )
             return False
-        replica.load(replica.state, mark.position, mark.record_id, mark.log_position)
-        await retry_transient(
-            lambda: replica.open_reader(conn), deadline=deadline, what=f"reopening {topic}"
-        )
         context.stats.resumed_position = mark.position
         logger.info("%s resumes from its stored state at position %d", topic, mark.position)
         return True

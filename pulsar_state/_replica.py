@@ -107,8 +107,11 @@ class Replica(Generic[S, Op]):
         # Set for a state that stores itself (``durable_state``): each record is committed.
         self.durable: DurableState[S] | None = None
 
-    def load(self, state: S, version: int, last_record_id: str, read_to: LogPosition) -> None:
-        """Start from a snapshot instead of the empty state."""
+    def load(
+        self, state: S, version: int, last_record_id: str, read_to: LogPosition | None
+    ) -> None:
+        """Start from a snapshot (or a durable state's mark) instead of the empty state;
+        ``read_to`` None: from the log's beginning."""
         self.state, self.version, self.last_record_id = state, version, last_record_id
         self.read_to = read_to
         self._stats.position = version
