@@ -955,13 +955,80 @@ def parse_snapshot(data: bytes, codecs: MapCodecs[Any, Any]) -> Iterator[tuple[A
         raise CodecError("damaged PulsarMap snapshot: bytes left over")
 
 
+class _SnapshotImage(MapState[K, V]):
+    """A map snapshot's bytes seen as a state, parsed as it is read, never held decoded:
+    what :class:`DiskSnapshotCodec` decodes to, for the core's lossless check of a snapshot
+    being taken (``encode(decode(b)) == b`` and ``decode(b) == state``) in bounded memory."""
+
+    __slots__ = ("_codecs", "data")
+
+    def __init__(self, data: bytes, codecs: MapCodecs[K, V]) -> None:
+        super().__init__()
+        self._order = None
+        self.data = data
+        self._codecs = codecs
+        if not data.startswith(_SNAPSHOT_MAGIC):
+            raise CodecError("not a PulsarMap snapshot")
+        try:
+            self.position = _SNAPSHOT_HEAD.unpack_from(data, len(_SNAPSHOT_MAGIC))[0]
+        except struct.error as exc:
+            raise CodecError(f"damaged PulsarMap snapshot: {exc}") from exc
+
+    def raw(self) -> Iterator[tuple[bytes, int, bytes]]:
+        """(key bytes, version, value bytes) per entry, in the snapshot's order."""
+        data = self.data
+        view = memoryview(data)
+        try:
+            offset = len(_SNAPSHOT_MAGIC)
+            _position, count = _SNAPSHOT_HEAD.unpack_from(data, offset)
+            offset += _SNAPSHOT_HEAD.size
+            for _ in range(count):
+                version, key_len, value_len = _SNAPSHOT_ENTRY.unpack_from(data, offset)
+                offset += _SNAPSHOT_ENTRY.size
+                key = bytes(view[offset : offset + key_len])
+                offset += key_len
+                value = bytes(view[offset : offset + value_len])
+                offset += value_len
+                if len(value) != value_len:
+                    raise CodecError("damaged PulsarMap snapshot: truncated")
+                yield key, version, value
+        except struct.error as exc:
+            raise CodecError(f"damaged PulsarMap snapshot: {exc}") from exc
+        if offset != len(data):
+            raise CodecError("damaged PulsarMap snapshot: bytes left over")
+
+    def entries_in_order(self) -> Iterable[tuple[K, MapEntry[V]]]:
+        codecs = self._codecs
+        for key, version, value in self.raw():
+            yield codecs.decode_key(key), MapEntry(codecs.decode_value(value), MapVersion(version))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MapState) or other.position != self.position:
+            return False
+        mine, theirs = iter(self.entries_in_order()), iter(other.entries_in_order())
+        for a, b in zip(mine, theirs, strict=False):
+            if a != b:
+                # Another order (a key codec whose bytes do not sort as keys do): compare
+                # as mappings, in memory (rare).
+                return dict(self.entries_in_order()) == dict(other.entries_in_order())
+        # Both ended together?
+        return next(mine, None) is None and next(theirs, None) is None
+
+    __hash__ = None
+
+
 class DiskSnapshotCodec(MapSnapshotCodec[K, V]):
     """The map's snapshot codec, reading a disk state's stored bytes as they are (the same
-    bytes :class:`MapSnapshotCodec` writes for the same map). Decoding gives an in-memory
-    state (the core's lossless check); loading a snapshot into the store streams instead
-    (:meth:`DiskMapState.load_snapshot`)."""
+    bytes :class:`MapSnapshotCodec` writes for the same map). Decoding gives a lazy image of
+    the bytes (the core's lossless check, in bounded memory); loading a snapshot into the
+    store streams it (:meth:`DiskMapState.load_snapshot`)."""
+
+    def decode(self, data: bytes, /) -> MapState[K, V]:
+        return _SnapshotImage(data, self._codecs)
 
     def encode(self, state: MapState[K, V], /) -> bytes:
+        if isinstance(state, _SnapshotImage):
+            return self._encode_image(state)
         if isinstance(state, _DiskView):  # its transaction ends when the view is dropped
             return self._encode_stored(state.position, state.stored())
         if isinstance(state, DiskMapState):  # the live state (the determinism check)
@@ -991,4 +1058,27 @@ class DiskSnapshotCodec(MapSnapshotCodec[K, V]):
                 encoded,
                 value,
             ]
+        return b"".join(parts)
+
+    def _encode_image(self, image: _SnapshotImage[K, V]) -> bytes:
+        """The image encoded again, entry by entry through the codecs: its own bytes when
+        every key and value encodes back to the same bytes (checked one at a time, so no
+        copy of the map is held), else the bytes the codecs give (which then differ)."""
+        codecs = self._codecs
+        for key, _version, value in image.raw():
+            if codecs.key_bytes(codecs.decode_key(key)) != key or (
+                codecs.values.encode(codecs.decode_value(value)) != value
+            ):
+                return self._encode_decoded(image)
+        return image.data
+
+    def _encode_decoded(self, image: _SnapshotImage[K, V]) -> bytes:
+        codecs = self._codecs
+        items = sorted(
+            (codecs.key_bytes(key), int(entry.version), codecs.values.encode(entry.value))
+            for key, entry in image.entries_in_order()
+        )
+        parts = [_SNAPSHOT_MAGIC, _SNAPSHOT_HEAD.pack(image.position, len(items))]
+        for key, version, value in items:
+            parts += [_SNAPSHOT_ENTRY.pack(version, len(key), len(value)), key, value]
         return b"".join(parts)

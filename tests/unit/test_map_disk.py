@@ -284,3 +284,32 @@ def test_a_disk_map_watches_only_once_open(tmp_path: Path) -> None:
     m = PulsarMap("pulsar://127.0.0.1:1", "t", store=DiskStore(tmp_path), check_topic=False)
     with pytest.raises(ClosedError, match="disk store only watches once open"):
         m.changes()
+
+
+class _LossyCodec(JsonCodec):
+    """JSON that drops a dict's "drop" field: decode(encode(x)) != x."""
+
+    def decode(self, data: bytes, /) -> Any:
+        value = super().decode(data)
+        if isinstance(value, dict):
+            value.pop("drop", None)
+        return value
+
+
+def test_a_snapshot_of_a_disk_state_is_checked_without_decoding_the_map(tmp_path: Path) -> None:
+    from pulsar_state._snapshots import encode_checked
+
+    state = open_state(tmp_path)
+    apply_records(state, [[CODECS.put(f"k{i}", {"i": i}) for i in range(50)]], 1, commit=True)
+    codec = DiskSnapshotCodec(CODECS)
+    data = encode_checked(codec, state.copy())
+    assert data == MapSnapshotCodec(CODECS).encode(MapSnapshotCodec(CODECS).decode(data))
+    image = codec.decode(data)
+    assert codec.encode(image) is data  # checked entry by entry, no copy
+    assert image == state
+    # A lossy value codec is refused, as the in-memory map's snapshot codec refuses it.
+    apply_records(state, [[CODECS.put("lossy", {"keep": 1, "drop": 2})]], 2, commit=True)
+    lossy: MapCodecs[str, Any] = MapCodecs(StrCodec(), _LossyCodec())
+    with pytest.raises(CodecError, match="lossy"):
+        encode_checked(DiskSnapshotCodec(lossy), state.copy())
+    state.close_store()
