@@ -750,13 +750,14 @@ class DiskMapState(MapState[K, V]):
         transaction (runs in a worker thread; reads meanwhile see the old content)."""
         self._loading = True
         try:
-            count = 0
-            env = self._env
+            env, pack = self._env, _VERSION.pack
+            items = (
+                (store_key(key), pack(version) + value_bytes)
+                for key, version, value_bytes in parse_snapshot(data, self._codecs)
+            )
             with env.env.begin(write=True) as txn:
                 txn.drop(env.data, delete=False)
-                for key, version, value_bytes in parse_snapshot(data, self._codecs):
-                    txn.put(store_key(key), _VERSION.pack(version) + value_bytes, db=env.data)
-                    count += 1
+                _consumed, count = txn.cursor(db=env.data).putmulti(items)
                 txn.put(_MARK, pack_mark(mark, count), db=env.meta)
             self._cache.clear()
             self._pending.clear()
