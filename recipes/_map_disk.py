@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import json
 import logging
 import os
@@ -1031,34 +1032,46 @@ class DiskSnapshotCodec(MapSnapshotCodec[K, V]):
         if isinstance(state, _SnapshotImage):
             return self._encode_image(state)
         if isinstance(state, _DiskView):  # its transaction ends when the view is dropped
-            return self._encode_stored(state.position, state.stored())
+            return self._encode_stored(state.position, state)
         if isinstance(state, DiskMapState):  # the live state (the determinism check)
             view = cast(_DiskView[K, V], state.copy())
             try:
-                return self._encode_stored(state.position, view.stored())
+                return self._encode_stored(state.position, view)
             finally:
                 view.close()
         return super().encode(state)
 
-    def _encode_stored(self, position: int, stored: Iterator[tuple[bytes, bytes]]) -> bytes:
-        key_bytes = self._codecs.key_bytes
-        items: list[tuple[bytes, bytes, bytes]] = []
-        ordered, previous = True, b""
-        for skey, raw in stored:
+    def _encode_stored(self, position: int, view: _DiskView[K, V]) -> bytes:
+        """The snapshot bytes of a store, streamed: in store order, which is the key codec's
+        byte order for str keys (UTF-8); a key codec whose bytes sort otherwise (JSON ints)
+        is sorted in memory instead."""
+        key_bytes, entry = self._codecs.key_bytes, _SNAPSHOT_ENTRY.pack
+        out = io.BytesIO()
+        out.write(_SNAPSHOT_MAGIC)
+        out.write(_SNAPSHOT_HEAD.pack(position, 0))  # the count is written at the end
+        count, previous = 0, b""
+        for skey, raw in view.stored():
             encoded = key_bytes(key_from_store(skey))
             if encoded < previous:
-                ordered = False  # the key codec's bytes do not follow key order (JSON ints)
+                return self._encode_sorted(position, view)
             previous = encoded
-            items.append((encoded, bytes(raw[: _VERSION.size]), bytes(raw[_VERSION.size :])))
-        if not ordered:
-            items.sort()
+            value = raw[_VERSION.size :]
+            out.write(entry(_VERSION.unpack_from(raw)[0], len(encoded), len(value)))
+            out.write(encoded)
+            out.write(value)
+            count += 1
+        out.seek(len(_SNAPSHOT_MAGIC))
+        out.write(_SNAPSHOT_HEAD.pack(position, count))
+        return out.getvalue()
+
+    def _encode_sorted(self, position: int, view: _DiskView[K, V]) -> bytes:
+        key_bytes = self._codecs.key_bytes
+        items = sorted((key_bytes(key_from_store(skey)), bytes(raw)) for skey, raw in view.stored())
         parts = [_SNAPSHOT_MAGIC, _SNAPSHOT_HEAD.pack(position, len(items))]
-        for encoded, version, value in items:
-            parts += [
-                _SNAPSHOT_ENTRY.pack(_VERSION.unpack(version)[0], len(encoded), len(value)),
-                encoded,
-                value,
-            ]
+        for encoded, raw in items:
+            value = raw[_VERSION.size :]
+            version = _VERSION.unpack_from(raw)[0]
+            parts += [_SNAPSHOT_ENTRY.pack(version, len(encoded), len(value)), encoded, value]
         return b"".join(parts)
 
     def _encode_image(self, image: _SnapshotImage[K, V]) -> bytes:

@@ -313,3 +313,19 @@ def test_a_snapshot_of_a_disk_state_is_checked_without_decoding_the_map(tmp_path
     with pytest.raises(CodecError, match="lossy"):
         encode_checked(DiskSnapshotCodec(lossy), state.copy())
     state.close_store()
+
+
+def test_snapshot_bytes_of_int_keys_whose_codec_bytes_sort_otherwise(tmp_path: Path) -> None:
+    int_codecs: MapCodecs[int, Any] = MapCodecs(JsonCodec(), JsonCodec())
+    state: DiskMapState[int, Any] = DiskMapState(DiskStore(tmp_path), int_codecs, TOPIC)
+    state.open_store()
+    memory: MapState[int, Any] = MapState()
+    for target in (state, memory):
+        target.begin(1)
+        for key in (9, 10, -3, 100, 0):  # JSON bytes "10" < "9": not the store's order
+            target.apply(int_codecs.put(key, key * 2))
+    state.commit(LogMark(1, "r1", LogPosition(1, 1)))
+    data = DiskSnapshotCodec(int_codecs).encode(state.copy())
+    assert data == MapSnapshotCodec(int_codecs).encode(memory)
+    assert list(state.sorted_keys()) == [-3, 0, 9, 10, 100]
+    state.close_store()
