@@ -57,11 +57,14 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def bench_lmdb(
-    path: str, keys: list[bytes], order: list[bytes], probes: list[bytes]
+    path: str, keys: list[bytes], order: list[bytes], probes: list[bytes], writemap: bool = False
 ) -> dict[str, Any]:
     import lmdb
 
-    env = lmdb.open(path, map_size=1 << 34, max_dbs=2, metasync=False, sync=False, writemap=True)
+    # As the disk store opens it (writemap off), or with writemap (commits write to the map).
+    env = lmdb.open(
+        path, map_size=1 << 34, max_dbs=2, metasync=False, sync=False, writemap=writemap
+    )
     data = env.open_db(b"data")
 
     def puts() -> None:
