@@ -45,7 +45,6 @@ from ._errors import (
 from ._machine import DEFAULT_COPY, StateMachine
 from ._pending import PendingWrites
 from ._replica import Replica, subscribe
-from ._snapshots import SnapshotPolicy
 from ._tail import Tail
 from ._types import AppliedRecord, ManagerStats, OnCorrupt, ReplayProgress, WriteResult
 
@@ -475,11 +474,9 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         process is writing a snapshot of this topic at the same moment.
         """
         self._check_usable()
-        if self._parts.snapshots is None:
+        if (snapshots := self._parts.snapshots) is None:
             raise ConfigurationError("snapshots need snapshot_codec= (state <-> bytes)")
-        return await self._parts.snapshots.take(
-            self.write_timeout_s if timeout is None else timeout
-        )
+        return await snapshots.take(self.write_timeout_s if timeout is None else timeout)
 
     # ------------------------------------------------------------------ test-only peeks
 
@@ -495,10 +492,5 @@ class SharedStateManager(Tunables, Generic[S, Op]):
     def _deadlines(self) -> list[Any]:
         return self._pending.deadlines
 
-    @property
-    def _snapshots(self) -> SnapshotPolicy[S] | None:
-        return self._parts.snapshots
-
-    @property
-    def _pump_task(self) -> asyncio.Task[None] | None:
-        return self._parts.pump_task
+    _snapshots = property(lambda self: self._parts.snapshots)  # SnapshotPolicy[S] | None
+    _pump_task = property(lambda self: self._parts.pump_task)  # asyncio.Task[None] | None
