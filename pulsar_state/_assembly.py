@@ -154,7 +154,13 @@ class Assembly(Generic[S, Op]):
             if stored is not None:
                 # The reader starts right after the stored mark (checked below, once the
                 # topic surely exists): it never prefetches the history before it.
-                replica.load(replica.state, stored.position, stored.record_id, stored.log_position)
+                replica.load(
+                    replica.state,
+                    stored.position,
+                    stored.record_id,
+                    stored.log_position,
+                    stored.origin,
+                )
         # Creating the reader also creates the topic, so its policies exist.
         await retry_transient(
             lambda: replica.attach(conn), deadline=deadline, what=f"opening a reader on {topic}"
@@ -231,6 +237,16 @@ class Assembly(Generic[S, Op]):
             deadline=deadline,
             what=f"checking the stored state against {topic}",
         )
+        if mismatch is not None and await self._behind_trimmed_log(log, mark):
+            # The reader starts at the trimmed mark, so at the log's first message: the
+            # replica falls forward to a snapshot (stored by the durable state) from there.
+            logger.warning(
+                "the stored state of %s (position %d) is behind the trimmed history; it falls "
+                "forward to a snapshot",
+                topic,
+                mark.position,
+            )
+            mismatch = None
         if mismatch is not None:
             reason = (
                 f"the stored state (position {mark.position}, record {mark.record_id} at "
@@ -246,6 +262,25 @@ class Assembly(Generic[S, Op]):
         context.stats.resumed_position = mark.position
         logger.info("%s resumes from its stored state at position %d", topic, mark.position)
         return True
+
+    async def _behind_trimmed_log(self, log: SnapshotStore, mark: LogMark) -> bool:
+        """Whether a stored ``mark`` whose message is gone is an earlier state of this very
+        history, trimmed from the log since (``trim_history``), not one of a topic deleted
+        and created again: its message is before the log's first one, and a snapshot of the
+        history as it is now names the same origin (the history's first record)."""
+        if not self._options.trim_history or mark.origin is None:
+            return False
+        first = await log.log_message(None)
+        if first is None or first[0] <= mark.log_position:
+            return False
+        for manifest in reversed(await log.manifests()):
+            if (
+                manifest.log_origin == mark.origin
+                and manifest.position >= mark.position
+                and await log.incarnation_mismatch(manifest) is None
+            ):
+                return True
+        return False
 
     async def _start_snapshots(
         self, codec: Codec[S], deadline: float, *, load: bool

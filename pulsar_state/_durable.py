@@ -27,11 +27,14 @@ class LogMark:
     """Where a state stands in its log: ``position`` records accepted (the version), the
     last accepted record's id, and the message it was read at (``log_position``). A record's
     id and its message's place identify one history of the topic: a topic deleted and created
-    again under the same name has neither."""
+    again under the same name has neither. ``origin``: the id of the history's first record
+    (None when not known): it still names the history once the log's beginning, and the
+    mark's own message, were trimmed away (``trim_history``)."""
 
     position: int
     record_id: str
     log_position: LogPosition
+    origin: str | None = None
 
 
 class DurableState(Protocol[S]):

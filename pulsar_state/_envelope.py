@@ -203,6 +203,10 @@ class SnapshotManifest:
     log_first_entry: int | None = None
     log_first_record: str | None = None
     log_covered_record: str | None = None
+    # The id of the history's first record (None: not known to the writer, or an older
+    # manifest). It outlives trimming, unlike log_first_*: a store whose own mark was trimmed
+    # away proves with it that it holds an earlier state of this very history.
+    log_origin: str | None = None
 
 
 _MANIFEST_FIELDS = frozenset(SnapshotManifest.__dataclass_fields__)

@@ -106,14 +106,22 @@ class Replica(Generic[S, Op]):
         self._behind: tuple[Record, LogPosition] | None = None
         # Set for a state that stores itself (``durable_state``): each record is committed.
         self.durable: DurableState[S] | None = None
+        # The id of this history's first record (None until known): names the history in
+        # snapshots and stored marks, whatever was trimmed from the log since.
+        self.origin: str | None = None
 
     def load(
-        self, state: S, version: int, last_record_id: str, read_to: LogPosition | None
+        self,
+        state: S,
+        version: int,
+        last_record_id: str,
+        read_to: LogPosition | None,
+        origin: str | None = None,
     ) -> None:
         """Start from a snapshot (or a durable state's mark) instead of the empty state;
         ``read_to`` None: from the log's beginning."""
         self.state, self.version, self.last_record_id = state, version, last_record_id
-        self.read_to = read_to
+        self.read_to, self.origin = read_to, origin
         self._stats.position = version
 
     # ------------------------------------------------------------------ the reader
@@ -377,9 +385,12 @@ class Replica(Generic[S, Op]):
                 cause=exc,
             )
             return
+        origin = record.record_id if self.version == 0 else self.origin
         if self.durable is not None:
             try:
-                self.durable.commit(self.state, LogMark(self.version + 1, record.record_id, at))
+                self.durable.commit(
+                    self.state, LogMark(self.version + 1, record.record_id, at, origin)
+                )
             except Exception as exc:
                 # Not stored, so not applied: stop at the last record stored (the log keeps
                 # this one; a replica reopened once the cause is fixed applies it).
@@ -393,7 +404,7 @@ class Replica(Generic[S, Op]):
                 return
         observe_apply(self._stats, self._context.attributes, time.perf_counter() - started)
         self.version += 1
-        self.last_record_id = record.record_id
+        self.last_record_id, self.origin = record.record_id, origin
         self._stats.position = self.version
         for hook in self.after_apply:
             hook(self.version, self.state)

@@ -256,6 +256,7 @@ class SnapshotStore:
         record_id: str,
         log_position: LogPosition,
         writer_id: str,
+        origin: str | None = None,
     ) -> SnapshotManifest:
         """Write the chunks, then the manifest. Raises WriterBusyError if another process is
         writing a snapshot right now."""
@@ -306,6 +307,7 @@ class SnapshotStore:
                         log_first_entry=None if first is None else first[0].entry,
                         log_first_record=None if first is None else first[1],
                         log_covered_record=None if covered is None else covered[1],
+                        log_origin=origin,
                     )
                     # Written last: a snapshot is used only once all its chunks are durable.
                     await index_writer.send(encode_manifest(manifest), key=snapshot_id)
@@ -494,7 +496,7 @@ class SnapshotPolicy(Generic[S]):
                 at = LogPosition(manifest.log_ledger, manifest.log_entry)
                 if self._durable is not None:
                     # Stored as it is loaded (streamed, in one transaction of its own).
-                    mark = LogMark(manifest.position, manifest.record_id, at)
+                    mark = LogMark(manifest.position, manifest.record_id, at, manifest.log_origin)
                     state = await asyncio.to_thread(
                         self._durable.load_snapshot, self._replica.state, data, mark
                     )
@@ -519,6 +521,7 @@ class SnapshotPolicy(Generic[S]):
                 manifest.position,
                 manifest.record_id,
                 LogPosition(manifest.log_ledger, manifest.log_entry),
+                manifest.log_origin,
             )
             self._last_version = manifest.position
             self.loaded = manifest
@@ -576,7 +579,7 @@ class SnapshotPolicy(Generic[S]):
         replica = self._replica
         # Captured in one synchronous step: the state, its version and the log position.
         state = self._copy_state(replica.state)
-        version, record_id = replica.version, replica.last_record_id
+        version, record_id, origin = replica.version, replica.last_record_id, replica.origin
         log_position = replica.read_to or LogPosition(-1, -1)
         bytes_read = self._stats.bytes_read
         started = time.perf_counter()
@@ -589,6 +592,7 @@ class SnapshotPolicy(Generic[S]):
                     record_id=record_id,
                     log_position=log_position,
                     writer_id=self._writer_id,
+                    origin=origin,
                 )
         except TimeoutError as exc:
             raise OperationTimeoutError(f"snapshot of {self._topic} took over {timeout}s") from exc

@@ -81,7 +81,8 @@ logger = logging.getLogger(__name__)
 K = TypeVar("K")
 V = TypeVar("V")
 
-FORMAT: Final = 1
+# 2: the mark carries the history's origin (a store of format 1 is read as having none).
+FORMAT: Final = 2
 MARKER = "PULSAR_STATE_MAP"
 _OWNER_LOCK = "owner.lock"
 _INFO = b"info"
@@ -90,7 +91,8 @@ _MARK = b"mark"
 MAX_KEY_BYTES: Final = 511
 
 _VERSION = struct.Struct(">Q")
-# state (0 empty, 1 at a mark), position, ledger, entry, number of keys; the record id follows.
+# state (0 empty, 1 at a mark), position, ledger, entry, number of keys; the record id follows,
+# then (format 2) a NUL and the origin's record id.
 _MARK_HEAD = struct.Struct(">Bqqqq")
 _INVERT = bytes(255 - i for i in range(256))
 _INT, _BYTES, _STR = 0x00, 0x01, 0x02
@@ -391,8 +393,8 @@ class _Env:
         state, position, ledger, entry, count = _MARK_HEAD.unpack_from(raw)
         if state == 0:
             return None, 0
-        record_id = bytes(raw[_MARK_HEAD.size :]).decode()
-        return LogMark(position, record_id, LogPosition(ledger, entry)), count
+        record_id, _, origin = bytes(raw[_MARK_HEAD.size :]).decode().partition("\0")
+        return LogMark(position, record_id, LogPosition(ledger, entry), origin or None), count
 
     def close(self, *, clean: bool, topic: str = "", codecs: tuple[str, str] = ("", "")) -> None:
         if self.env is not None:
@@ -417,7 +419,7 @@ def pack_mark(mark: LogMark | None, count: int) -> bytes:
         return _MARK_HEAD.pack(0, 0, 0, 0, 0)
     at = mark.log_position
     head = _MARK_HEAD.pack(1, mark.position, at.ledger, at.entry, count)
-    return head + mark.record_id.encode()
+    return head + mark.record_id.encode() + b"\0" + (mark.origin or "").encode()
 
 
 # ---------------------------------------------------------------------- the state

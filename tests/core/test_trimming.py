@@ -1,8 +1,6 @@
 """trim_history: the history behind the kept snapshots goes; what replicas need stays.
 
-The broker deletes a ledger once it is closed, wholly behind every durable cursor and outside
-retention. The tests close ledgers by unloading the topic and ask for the deletion with the
-admin ``trim`` call, instead of waiting for the broker's rollover and retention timers.
+How the tests make the broker trim now: :mod:`tests.support.trimming`.
 """
 
 from __future__ import annotations
@@ -10,58 +8,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import urllib.error
 from typing import Any
 
 import pytest
 
 from pulsar_state import JsonCodec, PulsarStateError, SnapshotManifest, UnsafeTopicPolicyError
-from pulsar_state._pulsar import TAIL_SUBSCRIPTION
 from pulsar_state._snapshots import SnapshotPolicy, SnapshotStore
 from tests.core.helpers import counter_manager, incr
 from tests.support.broker import admin_request
-
-NO_RETENTION = {"retentionTimeInMinutes": 0, "retentionSizeInMB": 0}
-
-
-def rest_path(topic: str) -> str:
-    return "/admin/v2/persistent/public/default/" + topic.split("/")[-1]
-
-
-async def set_policy(admin_url: str, topic: str, policy: str, value: Any) -> None:
-    with contextlib.suppress(urllib.error.HTTPError):  # 409: it exists already
-        admin_request(admin_url, "PUT", rest_path(topic))  # exists, so it can have policies
-    if policy == "messageTTL":  # a query parameter, not a body
-        admin_request(admin_url, "POST", rest_path(topic) + f"/messageTTL?messageTTL={value}")
-    else:
-        admin_request(admin_url, "POST", rest_path(topic) + "/" + policy, value)
-    # Topic policies travel through a system topic: they apply after a short delay.
-    for _ in range(100):
-        if admin_request(admin_url, "GET", rest_path(topic) + f"/{policy}?applied=true") == value:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"policy {policy} never became {value}")
-
-
-def ledgers(admin_url: str, topic: str) -> list[int]:
-    stats = admin_request(admin_url, "GET", rest_path(topic) + "/internalStats")
-    return [int(ledger["ledgerId"]) for ledger in stats["ledgers"]]
-
-
-def mark_delete(admin_url: str, topic: str) -> tuple[int, int]:
-    stats = admin_request(admin_url, "GET", rest_path(topic) + "/internalStats")
-    ledger, entry = stats["cursors"][TAIL_SUBSCRIPTION]["markDeletePosition"].split(":")
-    return int(ledger), int(entry)
-
-
-async def close_ledger_and_trim(admin_url: str, topic: str) -> None:
-    admin_request(admin_url, "PUT", rest_path(topic) + "/unload")  # closes the current ledger
-    for _ in range(100):
-        try:
-            admin_request(admin_url, "POST", rest_path(topic) + "/trim")
-            return
-        except OSError:  # the topic is being loaded again
-            await asyncio.sleep(0.1)
+from tests.support.trimming import (
+    NO_RETENTION,
+    close_ledger_and_trim,
+    ledgers,
+    mark_delete,
+    rest_path,
+    set_policy,
+    trim_ledger_away,
+)
 
 
 def trimming_manager(service_url: str, topic: str, admin_url: str, **options: Any) -> Any:
@@ -91,19 +54,8 @@ async def trimmed_topic(service_url: str, admin_url: str, topic: str) -> tuple[i
         before = ledgers(admin_url, topic)
         await write_and_snapshot(writer, 20)  # keep 1: the trim point passes the first ledger
         expected = writer.position
-        # Bounded by time, not by a count of tries: on a loaded machine (a CI run at load 12)
-        # each unload and trim takes seconds, and 100 tries ran out before the broker did it.
-        deadline = time.monotonic() + 120
-        for _ in range(100_000):
-            if mark_delete(admin_url, topic)[0] > before[0] or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.1)
-        await close_ledger_and_trim(admin_url, topic)
-        while before[0] in ledgers(admin_url, topic) and time.monotonic() < deadline:
-            await close_ledger_and_trim(admin_url, topic)
-            await asyncio.sleep(0.2)
+        await trim_ledger_away(admin_url, topic, before[0])
         count = await writer.read(lambda s: s["count"], latest=True)
-    assert before[0] not in ledgers(admin_url, topic), "the broker kept the first ledger"
     assert count == 40
     assert expected > 0
     return count, before

@@ -22,6 +22,13 @@ from recipes import DiskStore, LocalStoreError, MapEvent, PulsarMap
 from recipes._map_disk import DiskMapState
 from recipes._map_ops import MapCodecs
 from tests.recipes.helpers import REPO, WAIT_S, new_map
+from tests.support.trimming import (
+    NO_RETENTION,
+    close_ledger_and_trim,
+    ledgers,
+    set_policy,
+    trim_ledger_away,
+)
 
 KEYS = [f"k{i:02d}" for i in range(40)]
 
@@ -236,6 +243,102 @@ async def test_a_new_store_is_built_from_the_newest_snapshot_and_the_tail(
         assert disk.stats.resumed_position == taken_at
         assert disk.stats.snapshot_loaded_position is None
         assert disk.stats.records_read == 0
+
+
+TRIMMING: dict[str, Any] = {"snapshots": True, "trim_history": True, "keep_snapshots": 1}
+
+
+async def trimmed_map_topic(
+    service_url: str, admin_url: str, topic: str, stale_store: DiskStore | None = None
+) -> dict[str, Any]:
+    """A map topic whose first ledger the broker deleted, with a snapshot and a tail after it;
+    returns the answers of its map. A disk replica on ``stale_store`` took part before the
+    trim: its store's mark is in the deleted ledger."""
+    await set_policy(admin_url, topic, "retention", NO_RETENTION)
+    if stale_store is not None:
+        async with new_map(service_url, topic, admin_url, store=stale_store, **TRIMMING) as stale:
+            for i in range(10):
+                await stale.put(f"k{i:02d}", {"stale": i})
+    async with new_map(service_url, topic, admin_url, **TRIMMING) as writer:
+        for i in range(10):
+            await writer.put(f"k{i:02d}", i)
+        await writer.snapshot()
+        await close_ledger_and_trim(admin_url, topic)
+        first = ledgers(admin_url, topic)[0]
+        for i in range(20):
+            await writer.put(KEYS[5 + i], {"second": i})
+        await writer.delete("k01")
+        await writer.snapshot()  # keep 1: the trim point passes the first ledger
+        await trim_ledger_away(admin_url, topic, first)
+        for i in range(3):
+            await writer.put(f"t{i}", i)  # a tail after the snapshot
+        return await answers(writer)
+
+
+async def test_a_disk_replica_replaying_a_trimmed_log_falls_forward_into_its_store(
+    service_url: str, admin_url: str, topic: str, tmp_path: Path
+) -> None:
+    expected = await trimmed_map_topic(service_url, admin_url, topic)
+    store = DiskStore(tmp_path / "s")
+    # load_snapshot=False: it replays from the log's first message, whose records are based
+    # on records the broker deleted: the snapshot it falls forward to is stored on disk.
+    async with new_map(
+        service_url, topic, admin_url, store=store, load_snapshot=False, **TRIMMING
+    ) as disk:
+        assert disk.manager.halted is None
+        assert disk.stats.fell_forward == 1
+        assert await answers(disk) == expected
+        await disk.put("after", 1)
+        expected = await answers(disk)
+        stored_at = disk.position
+    async with new_map(service_url, topic, admin_url, store=store, **TRIMMING) as disk:
+        assert disk.stats.resumed_position == stored_at
+        assert disk.stats.records_read == 0
+        assert await answers(disk) == expected
+
+
+async def test_a_store_behind_the_trimmed_history_falls_forward_to_a_snapshot(
+    service_url: str, admin_url: str, topic: str, tmp_path: Path
+) -> None:
+    # Its mark's message was trimmed away while it was closed: the newest snapshot names the
+    # same history (origin), so it is stale, not foreign, and falls forward with no option.
+    store = DiskStore(tmp_path / "s")
+    expected = await trimmed_map_topic(service_url, admin_url, topic, stale_store=store)
+    async with new_map(service_url, topic, admin_url, store=store, **TRIMMING) as disk:
+        assert disk.manager.halted is None
+        assert disk.stats.resumed_position == 10
+        assert disk.stats.fell_forward == 1
+        assert await answers(disk) == expected
+        await disk.put("after", 1)
+        expected = await answers(disk)
+        stored_at = disk.position
+    async with new_map(service_url, topic, admin_url, store=store, **TRIMMING) as disk:
+        assert disk.stats.resumed_position == stored_at
+        assert disk.stats.records_read == 0
+        assert await answers(disk) == expected
+
+
+async def test_a_store_of_a_recreated_topic_is_refused_under_trim_history_too(
+    service_url: str, admin_url: str, topic: str, tmp_path: Path
+) -> None:
+    # The old history's snapshots are still on the side topics, with the store's origin:
+    # they do not describe the topic as it is now, so they prove nothing.
+    path = tmp_path / "s"
+    await set_policy(admin_url, topic, "retention", NO_RETENTION)
+    async with new_map(service_url, topic, admin_url, store=DiskStore(path), **TRIMMING) as disk:
+        for i in range(20):
+            await disk.put(f"old{i}", i)
+        await disk.snapshot()
+    delete_topic(admin_url, topic)
+    await set_policy(admin_url, topic, "retention", NO_RETENTION)
+    async with new_map(service_url, topic, admin_url, **TRIMMING) as memory:
+        for i in range(40):
+            await memory.put(f"new{i}", i)
+        await memory.snapshot()
+    refused = new_map(service_url, topic, admin_url, store=DiskStore(path), **TRIMMING)
+    with pytest.raises(LocalStoreError, match=r"not part of .* history"):
+        await refused.open()
+    await refused.aclose()
 
 
 async def test_a_full_disk_halts_the_replica_and_loses_nothing(

@@ -329,3 +329,22 @@ def test_snapshot_bytes_of_int_keys_whose_codec_bytes_sort_otherwise(tmp_path: P
     assert data == MapSnapshotCodec(int_codecs).encode(memory)
     assert list(state.sorted_keys()) == [-3, 0, 9, 10, 100]
     state.close_store()
+
+
+def test_the_mark_keeps_the_origin_and_a_format_1_mark_reads_without_one(tmp_path: Path) -> None:
+    state = open_state(tmp_path)
+    state.begin(1)
+    state.apply(CODECS.put("a", 1))
+    state.commit(LogMark(1, "r1", LogPosition(3, 4), "r-first"))
+    state.close_store()
+    reopened = open_state(tmp_path)
+    assert reopened.mark == LogMark(1, "r1", LogPosition(3, 4), "r-first")
+    # A format-1 store: the record id ends the mark (no origin).
+    assert reopened._env.env is not None
+    with reopened._env.env.begin(write=True, db=reopened._env.meta) as txn:
+        raw = txn.get(b"mark")
+        txn.put(b"mark", raw[: raw.rindex(b"\0")])
+    reopened.close_store()
+    old = open_state(tmp_path)
+    assert old.mark == LogMark(1, "r1", LogPosition(3, 4), None)
+    old.close_store()
