@@ -12,6 +12,7 @@ it is then asked to store, or from the empty state).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -55,11 +56,13 @@ class DurableState(Protocol[S]):
         in one atomic step. Called once per accepted record, after its ops, in log order."""
         ...
 
-    def load_snapshot(self, state: S, data: bytes, mark: LogMark) -> S:
-        """Replace everything stored by the snapshot ``data`` (the ``snapshot_codec``'s
-        bytes) at ``mark``; returns the state to use from now on (``state`` itself or a new
-        object). Must be atomic too: a process killed meanwhile reopens to the old content
-        or to an empty store, never to a mix."""
+    def load_snapshot(self, state: S, chunks: Iterable[bytes], mark: LogMark) -> S:
+        """Replace everything stored by the snapshot at ``mark``, whose bytes (the
+        ``snapshot_codec``'s) are ``chunks`` joined; returns the state to use from now on
+        (``state`` itself or a new object). The chunks arrive while it runs (iterating
+        blocks until the next one is read); the iterator raises if the snapshot turns out
+        damaged, and nothing may then be kept. Must be atomic too: a process killed
+        meanwhile reopens to the old content or to an empty store, never to a mix."""
         ...
 
     def refuse(self, state: S, reason: str) -> S:

@@ -20,9 +20,10 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import queue
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from ._admin import AdminClient, TopicName
@@ -130,6 +131,12 @@ class SnapshotStore:
 
     async def load(self, manifest: SnapshotManifest) -> bytes:
         """The snapshot's bytes, checked chunk by chunk and against its digest."""
+        return b"".join([chunk async for chunk in self.load_chunks(manifest)])
+
+    async def load_chunks(self, manifest: SnapshotManifest) -> AsyncGenerator[bytes, None]:
+        """The snapshot's chunks in order as they are read, each checked; after the last
+        one, the whole is checked against the digest: CorruptRecordError then (the caller
+        must not have kept anything of it), as for a chunk missing or out of order."""
         at = LogPosition(manifest.first_chunk_ledger, manifest.first_chunk_entry)
         missing = CorruptRecordError(
             f"snapshot {manifest.snapshot_id}: chunks missing from {self.data_topic}",
@@ -138,36 +145,42 @@ class SnapshotStore:
         tail = await self._admin.last_position(self.data_topic)
         if tail is None or tail < at:
             raise missing
+        deadline = asyncio.get_running_loop().time() + self._timeout_s
         reader = await self.conn.create_reader(str(self.data_topic), at=at)
-        parts: list[bytes] = []
+        digest, size, due = hashlib.sha256(), 0, 0
         last_seen: LogPosition | None = None
         try:
-            async with asyncio.timeout(self._timeout_s):
-                while len(parts) < manifest.chunks:
-                    if last_seen is not None and last_seen >= tail:
-                        raise missing  # the data topic ends before the snapshot's last chunk
+            while due < manifest.chunks:
+                if last_seen is not None and last_seen >= tail:
+                    raise missing  # the data topic ends before the snapshot's last chunk
+                # The deadline bounds the reads only: the caller's work between chunks is
+                # its own (and a timeout must not span a generator's yield).
+                async with asyncio.timeout_at(deadline):
                     message = await reader.read_next()
-                    last_seen = message.position
-                    snapshot_id, index, count, data = decode_chunk(
-                        message.payload, message_id=str(message.position)
+                last_seen = message.position
+                snapshot_id, index, count, data = decode_chunk(
+                    message.payload, message_id=str(message.position)
+                )
+                if snapshot_id != manifest.snapshot_id or count != manifest.chunks:
+                    continue  # a chunk of an unfinished snapshot written in between
+                if index != due:
+                    raise CorruptRecordError(
+                        f"snapshot {snapshot_id}: chunk {index} where {due} was due",
+                        message_id=str(message.position),
                     )
-                    if snapshot_id != manifest.snapshot_id or count != manifest.chunks:
-                        continue  # a chunk of an unfinished snapshot written in between
-                    if index != len(parts):
-                        raise CorruptRecordError(
-                            f"snapshot {snapshot_id}: chunk {index} where {len(parts)} was due",
-                            message_id=str(message.position),
-                        )
-                    parts.append(data)
+                digest.update(data)
+                size += len(data)
+                due += 1
+                if due == manifest.chunks and (
+                    size != manifest.size or digest.hexdigest() != manifest.digest
+                ):
+                    raise CorruptRecordError(
+                        f"snapshot {manifest.snapshot_id} does not match its digest",
+                        message_id=f"{at.ledger}:{at.entry}",
+                    )
+                yield data
         finally:
             await reader.close()
-        data = b"".join(parts)
-        if len(data) != manifest.size or hashlib.sha256(data).hexdigest() != manifest.digest:
-            raise CorruptRecordError(
-                f"snapshot {manifest.snapshot_id} does not match its digest",
-                message_id=f"{at.ledger}:{at.entry}",
-            )
-        return data
 
     async def log_message(
         self, at: LogPosition | None, *, patient: bool = False
@@ -492,15 +505,12 @@ class SnapshotPolicy(Generic[S]):
                     )
                     continue
                 started = time.monotonic()
-                data = await self._store.load(manifest)
                 at = LogPosition(manifest.log_ledger, manifest.log_entry)
                 if self._durable is not None:
-                    # Stored as it is loaded (streamed, in one transaction of its own).
                     mark = LogMark(manifest.position, manifest.record_id, at, manifest.log_origin)
-                    state = await asyncio.to_thread(
-                        self._durable.load_snapshot, self._replica.state, data, mark
-                    )
+                    state = await self._store_streamed(self._durable, manifest, mark)
                 else:
+                    data = await self._store.load(manifest)
                     state = await asyncio.to_thread(self._codec.decode, data)
             except (PulsarStateError, TimeoutError) as exc:
                 if transient_raises and is_transient(exc):
@@ -537,6 +547,39 @@ class SnapshotPolicy(Generic[S]):
         if manifests:
             logger.warning("no usable snapshot of %s: replaying the whole log", self._topic)
         return False
+
+    async def _store_streamed(
+        self, durable: DurableState[S], manifest: SnapshotManifest, mark: LogMark
+    ) -> S:
+        """Load a snapshot into a durable state while its chunks are still being read: the
+        state stores them in a worker thread as they arrive (one transaction of its own), so
+        reading and storing overlap. A damaged snapshot raises in that thread, from the
+        chunks' iterator, before anything is committed."""
+        chunks: queue.SimpleQueue[bytes | BaseException | None] = queue.SimpleQueue()
+
+        def arriving() -> Iterator[bytes]:
+            while (item := chunks.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        storing = asyncio.ensure_future(
+            asyncio.to_thread(durable.load_snapshot, self._replica.state, arriving(), mark)
+        )
+        try:
+            async with contextlib.aclosing(self._store.load_chunks(manifest)) as loading:
+                async for chunk in loading:
+                    if storing.done():
+                        break  # it failed: its error is raised below
+                    chunks.put(chunk)
+        except BaseException as exc:
+            # The thread must end (its transaction aborted) before the next attempt.
+            chunks.put(exc)
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(storing)
+            raise
+        chunks.put(None)
+        return await storing
 
     def check_determinism(self, version: int, state: S) -> None:
         """Compare the replayed state with a snapshot another replica took at this version."""

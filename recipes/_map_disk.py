@@ -52,6 +52,7 @@ from pulsar_state import (
     LogMark,
     LogPosition,
     PulsarStateError,
+    StrCodec,
 )
 
 from ._map_ops import (
@@ -748,16 +749,14 @@ class DiskMapState(MapState[K, V]):
         transaction: applies go on meanwhile)."""
         return _DiskView(self, self._env.env.begin(db=self._env.data))
 
-    def load_snapshot(self, data: bytes, mark: LogMark) -> DiskMapState[K, V]:
-        """Replace the store's content by the snapshot ``data`` at ``mark``, in ONE
-        transaction (runs in a worker thread; reads meanwhile see the old content)."""
+    def load_snapshot(self, chunks: Iterable[bytes], mark: LogMark) -> DiskMapState[K, V]:
+        """Replace the store's content by the snapshot at ``mark`` (its bytes: ``chunks``
+        joined, stored as they arrive), in ONE transaction, aborted if the chunks' iterator
+        raises (runs in a worker thread; reads meanwhile see the old content)."""
         self._loading = True
         try:
-            env, pack = self._env, _VERSION.pack
-            items = (
-                (store_key(key), pack(version) + value_bytes)
-                for key, version, value_bytes in parse_snapshot(data, self._codecs)
-            )
+            env = self._env
+            items = stored_entries(chunks, self._codecs)
             with env.env.begin(write=True) as txn:
                 txn.drop(env.data, delete=False)
                 _consumed, count = txn.cursor(db=env.data).putmulti(items)
@@ -789,8 +788,10 @@ class DiskDurability(Generic[K, V]):
     def commit(self, state: MapState[K, V], mark: LogMark) -> None:
         _disk(state).commit(mark)
 
-    def load_snapshot(self, state: MapState[K, V], data: bytes, mark: LogMark) -> MapState[K, V]:
-        return _disk(state).load_snapshot(data, mark)
+    def load_snapshot(
+        self, state: MapState[K, V], chunks: Iterable[bytes], mark: LogMark
+    ) -> MapState[K, V]:
+        return _disk(state).load_snapshot(chunks, mark)
 
     def refuse(self, state: MapState[K, V], reason: str) -> MapState[K, V]:
         _disk(state).refuse_history(reason)
@@ -933,29 +934,56 @@ _SNAPSHOT_HEAD = struct.Struct(">qI")
 _SNAPSHOT_ENTRY = struct.Struct(">qII")
 
 
-def parse_snapshot(data: bytes, codecs: MapCodecs[Any, Any]) -> Iterator[tuple[Any, int, bytes]]:
-    """(key, version, value bytes) of each entry of a map snapshot, keys decoded, values
-    not (they are stored as they are)."""
-    if not data.startswith(_SNAPSHOT_MAGIC):
-        raise CodecError("not a PulsarMap snapshot")
-    view = memoryview(data)
-    try:
-        offset = len(_SNAPSHOT_MAGIC)
-        _position, count = _SNAPSHOT_HEAD.unpack_from(data, offset)
-        offset += _SNAPSHOT_HEAD.size
-        for _ in range(count):
-            version, key_len, value_len = _SNAPSHOT_ENTRY.unpack_from(data, offset)
-            offset += _SNAPSHOT_ENTRY.size
-            key = codecs.decode_key(bytes(view[offset : offset + key_len]))
-            offset += key_len
-            value = bytes(view[offset : offset + value_len])
-            if len(value) != value_len:
-                raise CodecError("damaged PulsarMap snapshot: truncated")
-            offset += value_len
-            yield key, version, value
-    except struct.error as exc:
-        raise CodecError(f"damaged PulsarMap snapshot: {exc}") from exc
-    if offset != len(data):
+def stored_entries(
+    chunks: Iterable[bytes], codecs: MapCodecs[Any, Any]
+) -> Iterator[tuple[bytes, bytes]]:
+    """The store's (key, value) of each entry of a map snapshot whose bytes are ``chunks``
+    joined, parsed as they arrive (an entry may span chunks). Values are stored as the
+    snapshot has them, after their version: a snapshot entry begins with the version in the
+    store's own 8 bytes (big-endian, never negative), so no value is decoded or packed."""
+    head_size = len(_SNAPSHOT_MAGIC) + _SNAPSHOT_HEAD.size
+    entry, entry_size = _SNAPSHOT_ENTRY, _SNAPSHOT_ENTRY.size
+    # A str key's store bytes are its UTF-8 after a tag: not decoded and encoded back, only
+    # checked (bytes a StrCodec could not have written fail as a memory replica's load does).
+    str_keys = type(codecs.keys) is StrCodec
+    count: int | None = None
+    seen, pending = 0, b""
+    for chunk in chunks:
+        data = pending + chunk if pending else chunk
+        offset = 0
+        if count is None:
+            if len(data) < head_size:
+                pending = data
+                continue
+            if not data.startswith(_SNAPSHOT_MAGIC):
+                raise CodecError("not a PulsarMap snapshot")
+            _position, count = _SNAPSHOT_HEAD.unpack_from(data, len(_SNAPSHOT_MAGIC))
+            offset = head_size
+        end = len(data)
+        while seen < count and offset + entry_size <= end:
+            version, key_len, value_len = entry.unpack_from(data, offset)
+            key_at = offset + entry_size
+            value_at = key_at + key_len
+            stop = value_at + value_len
+            if stop > end:
+                break  # the entry goes on in the next chunk
+            if version < 0:
+                raise CodecError(f"damaged PulsarMap snapshot: version {version}")
+            key = data[key_at:value_at]
+            if str_keys:
+                try:
+                    key.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise CodecError(f"damaged PulsarMap snapshot: a key {exc}") from exc
+                key = b"\x02" + key
+            else:
+                key = store_key(codecs.decode_key(key))
+            yield key, data[offset : offset + 8] + data[value_at:stop]
+            offset, seen = stop, seen + 1
+        pending = data[offset:]
+    if count is None or seen < count:
+        raise CodecError("damaged PulsarMap snapshot: truncated")
+    if pending:
         raise CodecError("damaged PulsarMap snapshot: bytes left over")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
@@ -16,11 +17,13 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import JsonCodec, LogMark, StrCodec
+from pulsar_state import JsonCodec, LogMark, SnapshotManifest, StrCodec
+from pulsar_state._envelope import encode_manifest
 from pulsar_state.testing import admin_request
 from recipes import DiskStore, LocalStoreError, MapEvent, PulsarMap
 from recipes._map_disk import DiskMapState
 from recipes._map_ops import MapCodecs
+from tests.core.helpers import raw_producer
 from tests.recipes.helpers import REPO, WAIT_S, new_map
 from tests.support.trimming import (
     NO_RETENTION,
@@ -243,6 +246,29 @@ async def test_a_new_store_is_built_from_the_newest_snapshot_and_the_tail(
         assert disk.stats.resumed_position == taken_at
         assert disk.stats.snapshot_loaded_position is None
         assert disk.stats.records_read == 0
+
+
+async def test_a_damaged_snapshot_stores_nothing_and_the_store_falls_back(
+    service_url: str, admin_url: str, topic: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The newest manifest's digest does not match its chunks (many small ones): the store had
+    # them streamed in by then, so its transaction must abort; the good snapshot is loaded.
+    small_chunks = {"snapshots": True, "snapshot_chunk_bytes": 64}
+    async with new_map(service_url, topic, admin_url, **small_chunks) as memory:
+        await memory.put_all({f"k{i:02d}": i for i in range(30)})
+        good = await memory.manager.snapshot()
+        await memory.put("t", 1)
+        expected = await answers(memory)
+    fields = {name: getattr(good, name) for name in good.__dataclass_fields__}
+    forged = SnapshotManifest(**{**fields, "digest": "0" * 64})  # the same chunks
+    async with raw_producer(service_url, topic + "-snapshot-index") as producer:
+        await producer.send(encode_manifest(forged), partition_key="forged")
+    store = DiskStore(tmp_path / "s")
+    with caplog.at_level(logging.WARNING, logger="pulsar_state"):
+        async with new_map(service_url, topic, admin_url, snapshots=True, store=store) as disk:
+            assert disk.stats.snapshot_loaded_position == good.position
+            assert await answers(disk) == expected
+    assert "does not match its digest" in caplog.text
 
 
 TRIMMING: dict[str, Any] = {"snapshots": True, "trim_history": True, "keep_snapshots": 1}

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pulsar_state import CodecError, JsonCodec, LogMark, LogPosition, StrCodec
+from pulsar_state import BytesCodec, CodecError, JsonCodec, LogMark, LogPosition, StrCodec
 from recipes._map_disk import (
     FORMAT,
     MARKER,
@@ -150,11 +150,13 @@ def test_disk_state_answers_as_the_memory_state(
     assert data == memory_codec.encode(memory)
     assert disk_codec.encode(disk) == data
     mark = LogMark(memory.position, "snap", LogPosition(9, 9))
-    loaded = open_state(tmp_path_factory.mktemp("loaded")).load_snapshot(data, mark)
-    assert answers(loaded) == answers(memory)
-    assert loaded.mark == mark
+    for size in (1, 7, 4096, len(data)):  # entries (and the head) spanning chunks
+        chunks = [data[i : i + size] for i in range(0, len(data), size)]
+        loaded = open_state(tmp_path_factory.mktemp("loaded")).load_snapshot(chunks, mark)
+        assert answers(loaded) == answers(memory)
+        assert loaded.mark == mark
+        loaded.close_store()
     disk.close_store()
-    loaded.close_store()
 
 
 def test_a_record_is_stored_whole_or_not_at_all(tmp_path: Path) -> None:
@@ -348,3 +350,61 @@ def test_the_mark_keeps_the_origin_and_a_format_1_mark_reads_without_one(tmp_pat
     old = open_state(tmp_path)
     assert old.mark == LogMark(1, "r1", LogPosition(3, 4), None)
     old.close_store()
+
+
+def test_a_snapshot_whose_chunks_fail_or_do_not_parse_leaves_the_store_as_it_was(
+    tmp_path: Path,
+) -> None:
+    state = open_state(tmp_path)
+    state.begin(1)
+    state.apply(CODECS.put("kept", 1))
+    state.commit(LogMark(1, "r1", LogPosition(1, 1)))
+    memory: MapState[str, Any] = MapState()
+    memory.load({})
+    for i in range(50):
+        memory.apply(CODECS.put(f"k{i}", i))
+    data = MapSnapshotCodec(CODECS).encode(memory)
+
+    def damaged_after_two() -> Any:
+        yield data[:10]
+        yield data[10:20]
+        raise RuntimeError("the digest did not match")
+
+    cases: list[tuple[Any, type[Exception], str]] = [
+        (damaged_after_two(), RuntimeError, "digest"),
+        ([data[:-3]], CodecError, "truncated"),
+        ([data, b"x"], CodecError, "left over"),
+        ([b"PSMAQ" + data[5:]], CodecError, "not a PulsarMap snapshot"),
+        ([], CodecError, "truncated"),
+    ]
+    # A key a StrCodec could not have written (a bytes-keyed map's snapshot, read as str).
+    bytes_codecs: MapCodecs[bytes, Any] = MapCodecs(BytesCodec(), JsonCodec())
+    bytes_map: MapState[bytes, Any] = MapState()
+    bytes_map.load({})
+    bytes_map.apply(bytes_codecs.put(b"\xff", 1))
+    cases.append(([MapSnapshotCodec(bytes_codecs).encode(bytes_map)], CodecError, "a key"))
+    for chunks, error, message in cases:
+        with pytest.raises(error, match=message):
+            state.load_snapshot(chunks, LogMark(9, "snap", LogPosition(2, 2)))
+        assert state.mark == LogMark(1, "r1", LogPosition(1, 1))
+        assert [(k, e.value) for k, e in state.entries_in_order()] == [("kept", 1)]
+    state.close_store()
+    reopened = open_state(tmp_path)
+    assert [(k, e.value) for k, e in reopened.entries_in_order()] == [("kept", 1)]
+    reopened.close_store()
+
+
+def test_a_snapshot_of_a_map_with_other_key_codecs_loads_into_the_store(tmp_path: Path) -> None:
+    codecs: MapCodecs[Any, Any] = MapCodecs(JsonCodec(), JsonCodec())
+    memory: MapState[Any, Any] = MapState()
+    memory.load({})
+    for key in (10, -3, 2**70, 0, 7):
+        memory.apply(codecs.put(key, {"k": key}))
+    data = MapSnapshotCodec(codecs).encode(memory)
+    state: DiskMapState[Any, Any] = DiskMapState(DiskStore(tmp_path), codecs, TOPIC)
+    state.open_store()
+    state.load_snapshot([data[:5], data[5:]], LogMark(5, "snap", LogPosition(1, 1)))
+    assert [(k, e.value) for k, e in state.entries_in_order()] == [
+        (k, {"k": k}) for k in (-3, 0, 7, 10, 2**70)
+    ]
+    state.close_store()
