@@ -17,7 +17,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from ._admin import AdminClient
 from ._bootstrap import replay_to_tail
@@ -40,6 +40,11 @@ from ._writer import Writer
 __all__ = ["Assembly", "OpenOptions", "close_budget"]
 
 logger = logging.getLogger(__name__)
+
+# What opening did with a durable state's stored mark: resumed from it; emptied it (refused,
+# rebuilt from the log); found it behind the trimmed history (the newest snapshot replaces
+# it); or there was none.
+_Resume = Literal["resumed", "rebuilt", "behind", "nothing stored"]
 
 S = TypeVar("S")
 Op = TypeVar("Op")
@@ -177,15 +182,27 @@ class Assembly(Generic[S, Op]):
                 deadline=deadline,
                 what=f"checking the policies of {topic}",
             )
-        resumed = False
+        resume: _Resume = "nothing stored"
         if options.durable_state is not None and stored is not None:
-            resumed = await self._resume(options.durable_state, stored, deadline)
+            resume = await self._resume(options.durable_state, stored, deadline)
         if options.snapshot_codec is not None:
+            load = (options.load_snapshot and resume != "resumed") or resume == "behind"
             self.snapshots = await self._start_snapshots(
-                options.snapshot_codec, deadline, load=options.load_snapshot and not resumed
+                options.snapshot_codec, deadline, load=load
             )
             if options.trim_history:
                 replica.fall_forward = self.snapshots.fall_forward
+        if resume == "behind" and (self.snapshots is None or self.snapshots.loaded is None):
+            # No snapshot loaded after all: records on top of a trimmed mark are not to be
+            # read (the first one left may be a losing write based on it).
+            assert options.durable_state is not None
+            assert stored is not None
+            await self._refuse(
+                options.durable_state,
+                f"the stored state (position {stored.position}) is behind the trimmed "
+                f"history of {topic} and no snapshot could be loaded",
+                deadline,
+            )
         self.pump_task = asyncio.create_task(replica.pump(), name=f"pulsar-state-pump-{topic}")
         await retry_transient(
             lambda: replay_to_tail(
@@ -217,12 +234,11 @@ class Assembly(Generic[S, Op]):
             ),
         ]
 
-    async def _resume(self, durable: DurableState[S], mark: LogMark, deadline: float) -> bool:
+    async def _resume(self, durable: DurableState[S], mark: LogMark, deadline: float) -> _Resume:
         """Start from what a durable state has stored (``mark``, loaded into the replica
-        already), as from a snapshot: the mark is checked against the topic. False if the
-        stored history was refused and ``durable.refuse`` emptied it (it raises otherwise):
-        the replica then starts from the beginning."""
-        replica, context, conn, admin = self._replica, self._context, self.conn, self._admin
+        already), as from a snapshot: the mark is checked against the topic (see
+        :data:`_Resume` for the outcomes; ``durable.refuse`` raises to refuse it)."""
+        context, conn, admin = self._context, self.conn, self._admin
         assert conn is not None
         if admin is None:
             raise ConfigurationError("durable_state needs the admin REST API (admin_url=)")
@@ -237,31 +253,45 @@ class Assembly(Generic[S, Op]):
             deadline=deadline,
             what=f"checking the stored state against {topic}",
         )
-        if mismatch is not None and await self._behind_trimmed_log(log, mark):
-            # The reader starts at the trimmed mark, so at the log's first message: the
-            # replica falls forward to a snapshot (stored by the durable state) from there.
+        if mismatch is not None and await retry_transient(
+            lambda: self._behind_trimmed_log(log, mark),
+            deadline=deadline,
+            what=f"checking the stored state against the snapshots of {topic}",
+        ):
+            # Not resumed from: the newest snapshot replaces it (the reader is not to read
+            # records on top of a trimmed mark).
             logger.warning(
-                "the stored state of %s (position %d) is behind the trimmed history; it falls "
-                "forward to a snapshot",
+                "the stored state of %s (position %d) is behind the trimmed history; the "
+                "newest snapshot replaces it",
                 topic,
                 mark.position,
             )
-            mismatch = None
+            return "behind"
         if mismatch is not None:
-            reason = (
+            await self._refuse(
+                durable,
                 f"the stored state (position {mark.position}, record {mark.record_id} at "
-                f"{mark.log_position}) is not part of {topic}'s history: {mismatch}"
+                f"{mark.log_position}) is not part of {topic}'s history: {mismatch}",
+                deadline,
             )
-            emptied = durable.refuse(replica.state, reason)  # raises to refuse
-            logger.warning("%s; rebuilt from the log", reason)
-            replica.load(emptied, 0, "", None)
-            await retry_transient(
-                lambda: replica.open_reader(conn), deadline=deadline, what=f"reopening {topic}"
-            )
-            return False
+            return "rebuilt"
         context.stats.resumed_position = mark.position
         logger.info("%s resumes from its stored state at position %d", topic, mark.position)
-        return True
+        return "resumed"
+
+    async def _refuse(self, durable: DurableState[S], reason: str, deadline: float) -> None:
+        """``durable.refuse`` raises, or empties the stored state: the replica then starts
+        from the beginning."""
+        replica, conn = self._replica, self.conn
+        assert conn is not None
+        emptied = durable.refuse(replica.state, reason)  # raises to refuse
+        logger.warning("%s; rebuilt from the log", reason)
+        replica.load(emptied, 0, "", None)
+        await retry_transient(
+            lambda: replica.open_reader(conn),
+            deadline=deadline,
+            what=f"reopening {self._context.topic}",
+        )
 
     async def _behind_trimmed_log(self, log: SnapshotStore, mark: LogMark) -> bool:
         """Whether a stored ``mark`` whose message is gone is an earlier state of this very
@@ -270,14 +300,15 @@ class Assembly(Generic[S, Op]):
         history as it is now names the same origin (the history's first record)."""
         if not self._options.trim_history or mark.origin is None:
             return False
-        first = await log.log_message(None)
+        # Patient: just after an unload the log answers "no message" for a moment.
+        first = await log.log_message(None, patient=True)
         if first is None or first[0] <= mark.log_position:
             return False
         for manifest in reversed(await log.manifests()):
             if (
                 manifest.log_origin == mark.origin
                 and manifest.position >= mark.position
-                and await log.incarnation_mismatch(manifest) is None
+                and await log.incarnation_mismatch(manifest, patient=True) is None
             ):
                 return True
         return False

@@ -21,10 +21,11 @@ import contextlib
 import hashlib
 import logging
 import queue
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from ._admin import AdminClient, TopicName
 from ._codecs import Codec
@@ -50,6 +51,49 @@ from ._replica import Replica
 from ._retry import is_transient
 
 __all__ = ["SnapshotPolicy", "SnapshotStore", "digest_of"]
+
+T = TypeVar("T")
+
+
+def run_in_own_thread(work: Callable[[], T], name: str) -> asyncio.Future[T]:
+    """``work()`` in a new daemon thread; its outcome as a future of the running loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(cast(T, result))
+
+    def run() -> None:
+        try:
+            result, error = work(), None
+        except BaseException as exc:
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=f"pulsar-state-{name}", daemon=True).start()
+    return future
+
+
+async def wait_out(future: asyncio.Future[Any]) -> None:
+    """Wait until ``future`` is done, even through cancellations (re-raised after): for a
+    thread that must end before its caller goes on (it may hold a write transaction)."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = True
+        except BaseException:
+            break
+    if cancelled:
+        raise asyncio.CancelledError
+
 
 logger = logging.getLogger(__name__)
 
@@ -426,6 +470,9 @@ class SnapshotPolicy(Generic[S]):
         self._last_version = 0
         self._bytes_at_last = 0
         self._task: asyncio.Task[None] | None = None
+        # True while a snapshot is being stored into a durable state: its content may change
+        # before the replica's version does, so no snapshot is taken meanwhile.
+        self._storing = False
 
     @classmethod
     async def start(
@@ -508,7 +555,12 @@ class SnapshotPolicy(Generic[S]):
                 at = LogPosition(manifest.log_ledger, manifest.log_entry)
                 if self._durable is not None:
                     mark = LogMark(manifest.position, manifest.record_id, at, manifest.log_origin)
-                    state = await self._store_streamed(self._durable, manifest, mark)
+                    self._storing = True  # until the replica is at the snapshot's version
+                    try:
+                        state = await self._store_streamed(self._durable, manifest, mark)
+                    except BaseException:
+                        self._storing = False
+                        raise
                 else:
                     data = await self._store.load(manifest)
                     state = await asyncio.to_thread(self._codec.decode, data)
@@ -533,6 +585,7 @@ class SnapshotPolicy(Generic[S]):
                 LogPosition(manifest.log_ledger, manifest.log_entry),
                 manifest.log_origin,
             )
+            self._storing = False
             self._last_version = manifest.position
             self.loaded = manifest
             self._stats.snapshot_loaded_position = manifest.position
@@ -552,19 +605,26 @@ class SnapshotPolicy(Generic[S]):
         self, durable: DurableState[S], manifest: SnapshotManifest, mark: LogMark
     ) -> S:
         """Load a snapshot into a durable state while its chunks are still being read: the
-        state stores them in a worker thread as they arrive (one transaction of its own), so
-        reading and storing overlap. A damaged snapshot raises in that thread, from the
-        chunks' iterator, before anything is committed."""
+        state stores them in a thread of its own as they arrive (one transaction of its own),
+        so reading and storing overlap. A damaged snapshot raises in that thread, from the
+        chunks' iterator, before anything is committed; the thread has always ended (its
+        transaction committed or aborted) when this returns or raises."""
         chunks: queue.SimpleQueue[bytes | BaseException | None] = queue.SimpleQueue()
+        exhausted = False
 
         def arriving() -> Iterator[bytes]:
+            nonlocal exhausted
             while (item := chunks.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
+            exhausted = True
 
-        storing = asyncio.ensure_future(
-            asyncio.to_thread(durable.load_snapshot, self._replica.state, arriving(), mark)
+        # Not the default executor: this thread waits on the download, and the admin
+        # client's calls run there.
+        storing = run_in_own_thread(
+            lambda: durable.load_snapshot(self._replica.state, arriving(), mark),
+            f"store-snapshot-{manifest.snapshot_id[:8]}",
         )
         try:
             async with contextlib.aclosing(self._store.load_chunks(manifest)) as loading:
@@ -572,14 +632,23 @@ class SnapshotPolicy(Generic[S]):
                     if storing.done():
                         break  # it failed: its error is raised below
                     chunks.put(chunk)
+            chunks.put(None)
         except BaseException as exc:
-            # The thread must end (its transaction aborted) before the next attempt.
             chunks.put(exc)
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(storing)
             raise
-        chunks.put(None)
-        return await storing
+        finally:
+            await wait_out(storing)
+        state = storing.result()
+        if not exhausted:
+            # The digest is checked as the last chunk is read: a state that returned before
+            # reading to the end stored a snapshot nobody checked.
+            # Not a PulsarStateError: no falling back to another snapshot or a replay on
+            # top of what it stored. A broken DurableState fails the open, loudly.
+            raise RuntimeError(
+                f"the durable state returned before reading all of snapshot "
+                f"{manifest.snapshot_id}: it must iterate the chunks to their end"
+            )
+        return state
 
     def check_determinism(self, version: int, state: S) -> None:
         """Compare the replayed state with a snapshot another replica took at this version."""
@@ -620,6 +689,10 @@ class SnapshotPolicy(Generic[S]):
     async def take(self, timeout: float) -> SnapshotManifest:
         """Write a snapshot of the state as it is now."""
         replica = self._replica
+        if self._storing:
+            raise WriterBusyError(
+                f"a snapshot of {self._topic} is being loaded into this replica; try again"
+            )
         # Captured in one synchronous step: the state, its version and the log position.
         state = self._copy_state(replica.state)
         version, record_id, origin = replica.version, replica.last_record_id, replica.origin

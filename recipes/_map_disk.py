@@ -82,7 +82,7 @@ logger = logging.getLogger(__name__)
 K = TypeVar("K")
 V = TypeVar("V")
 
-# 2: the mark carries the history's origin (a store of format 1 is read as having none).
+# 2: the mark may carry the history's origin (a store of format 1 is read as having none).
 FORMAT: Final = 2
 MARKER = "PULSAR_STATE_MAP"
 _OWNER_LOCK = "owner.lock"
@@ -92,9 +92,11 @@ _MARK = b"mark"
 MAX_KEY_BYTES: Final = 511
 
 _VERSION = struct.Struct(">Q")
-# state (0 empty, 1 at a mark), position, ledger, entry, number of keys; the record id follows,
-# then (format 2) a NUL and the origin's record id.
+# state (0 empty, 1 at a mark, 2 at a mark with an origin), position, ledger, entry, number of
+# keys; the record id follows: the rest (state 1), or (state 2) its length (_ID_LENGTH) first,
+# then the origin's record id (ids may hold any character, NUL included).
 _MARK_HEAD = struct.Struct(">Bqqqq")
+_ID_LENGTH = struct.Struct(">I")
 _INVERT = bytes(255 - i for i in range(256))
 _INT, _BYTES, _STR = 0x00, 0x01, 0x02
 
@@ -394,8 +396,13 @@ class _Env:
         state, position, ledger, entry, count = _MARK_HEAD.unpack_from(raw)
         if state == 0:
             return None, 0
-        record_id, _, origin = bytes(raw[_MARK_HEAD.size :]).decode().partition("\0")
-        return LogMark(position, record_id, LogPosition(ledger, entry), origin or None), count
+        ids, origin = bytes(raw[_MARK_HEAD.size :]), None
+        if state == 2:
+            (length,) = _ID_LENGTH.unpack_from(ids)
+            ids = ids[_ID_LENGTH.size :]
+            origin = ids[length:].decode()
+            ids = ids[:length]
+        return LogMark(position, ids.decode(), LogPosition(ledger, entry), origin), count
 
     def close(self, *, clean: bool, topic: str = "", codecs: tuple[str, str] = ("", "")) -> None:
         if self.env is not None:
@@ -418,9 +425,11 @@ class _Env:
 def pack_mark(mark: LogMark | None, count: int) -> bytes:
     if mark is None:
         return _MARK_HEAD.pack(0, 0, 0, 0, 0)
-    at = mark.log_position
-    head = _MARK_HEAD.pack(1, mark.position, at.ledger, at.entry, count)
-    return head + mark.record_id.encode() + b"\0" + (mark.origin or "").encode()
+    at, record_id = mark.log_position, mark.record_id.encode()
+    if mark.origin is None:
+        return _MARK_HEAD.pack(1, mark.position, at.ledger, at.entry, count) + record_id
+    head = _MARK_HEAD.pack(2, mark.position, at.ledger, at.entry, count)
+    return head + _ID_LENGTH.pack(len(record_id)) + record_id + mark.origin.encode()
 
 
 # ---------------------------------------------------------------------- the state
@@ -947,13 +956,24 @@ def stored_entries(
     # checked (bytes a StrCodec could not have written fail as a memory replica's load does).
     str_keys = type(codecs.keys) is StrCodec
     count: int | None = None
-    seen, pending = 0, b""
+    seen = 0
+    # Bytes of an entry (or the head) not complete yet, joined once it is: an entry larger
+    # than a chunk costs one copy, not one per chunk.
+    pending: list[bytes] = []
+    pending_size, needed = 0, head_size
     for chunk in chunks:
-        data = pending + chunk if pending else chunk
+        if pending:
+            pending.append(chunk)
+            pending_size += len(chunk)
+            if pending_size < needed:
+                continue
+            data = b"".join(pending)
+        else:
+            data = chunk
         offset = 0
         if count is None:
             if len(data) < head_size:
-                pending = data
+                pending, pending_size = [data], len(data)
                 continue
             if not data.startswith(_SNAPSHOT_MAGIC):
                 raise CodecError("not a PulsarMap snapshot")
@@ -980,7 +1000,12 @@ def stored_entries(
                 key = store_key(codecs.decode_key(key))
             yield key, data[offset : offset + 8] + data[value_at:stop]
             offset, seen = stop, seen + 1
-        pending = data[offset:]
+        rest = data[offset:]
+        pending, pending_size = ([rest], len(rest)) if rest else ([], 0)
+        needed = entry_size
+        if len(rest) >= entry_size:  # the entry's own length is known: wait for all of it
+            _version, key_len, value_len = entry.unpack_from(rest)
+            needed = entry_size + key_len + value_len
     if count is None or seen < count:
         raise CodecError("damaged PulsarMap snapshot: truncated")
     if pending:

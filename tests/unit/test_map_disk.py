@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from pulsar_state import BytesCodec, CodecError, JsonCodec, LogMark, LogPosition, StrCodec
 from recipes._map_disk import (
+    _MARK_HEAD,
     FORMAT,
     MARKER,
     DiskMapState,
@@ -25,6 +26,7 @@ from recipes._map_disk import (
     DiskStore,
     LocalStoreError,
     key_from_store,
+    pack_mark,
     store_key,
 )
 from recipes._map_ops import MapCodecs, MapOp, MapSnapshotCodec, MapState, key_order
@@ -341,11 +343,13 @@ def test_the_mark_keeps_the_origin_and_a_format_1_mark_reads_without_one(tmp_pat
     state.close_store()
     reopened = open_state(tmp_path)
     assert reopened.mark == LogMark(1, "r1", LogPosition(3, 4), "r-first")
-    # A format-1 store: the record id ends the mark (no origin).
+    # A format-1 store's mark: state 1, the record id to the end (no origin), which is
+    # also how a mark without an origin is still written.
     assert reopened._env.env is not None
+    format_1 = _MARK_HEAD.pack(1, 1, 3, 4, 1) + b"r1"
+    assert pack_mark(LogMark(1, "r1", LogPosition(3, 4)), 1) == format_1
     with reopened._env.env.begin(write=True, db=reopened._env.meta) as txn:
-        raw = txn.get(b"mark")
-        txn.put(b"mark", raw[: raw.rindex(b"\0")])
+        txn.put(b"mark", format_1)
     reopened.close_store()
     old = open_state(tmp_path)
     assert old.mark == LogMark(1, "r1", LogPosition(3, 4), None)
@@ -408,3 +412,26 @@ def test_a_snapshot_of_a_map_with_other_key_codecs_loads_into_the_store(tmp_path
         (k, {"k": k}) for k in (-3, 0, 7, 10, 2**70)
     ]
     state.close_store()
+
+
+def test_entries_larger_than_many_chunks_load_whole(tmp_path: Path) -> None:
+    memory: MapState[str, Any] = MapState()
+    memory.load({})
+    memory.apply(CODECS.put("big", "x" * 300_000))
+    memory.apply(CODECS.put("small", 1))
+    memory.apply(CODECS.put("\x00nul", "y" * 5000))
+    data = MapSnapshotCodec(CODECS).encode(memory)
+    for size in (3, 1000, 65536):
+        chunks = [data[i : i + size] for i in range(0, len(data), size)]
+        state = open_state(tmp_path / str(size))
+        state.load_snapshot(chunks, LogMark(3, "r\x00id", LogPosition(1, 1), "o\x00rigin"))
+        assert [(k, e.value) for k, e in state.entries_in_order()] == [
+            ("\x00nul", "y" * 5000),
+            ("big", "x" * 300_000),
+            ("small", 1),
+        ]
+        state.close_store()
+        reopened = open_state(tmp_path / str(size))
+        # Ids may hold a NUL: the mark keeps them apart by length.
+        assert reopened.mark == LogMark(3, "r\x00id", LogPosition(1, 1), "o\x00rigin")
+        reopened.close_store()

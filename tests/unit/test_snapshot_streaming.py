@@ -1,0 +1,126 @@
+"""Loading a snapshot into a durable state while its chunks are read (pure logic: the chunk
+source is a stand-in for the snapshot reader, the durable state a recording one)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncGenerator, Iterable
+from typing import Any
+
+import pytest
+
+from pulsar_state import CorruptRecordError, LogMark, LogPosition
+from pulsar_state._snapshots import SnapshotPolicy
+
+MARK = LogMark(5, "r5", LogPosition(1, 1), "r1")
+
+
+class Chunks:
+    """What SnapshotStore.load_chunks yields: ``parts``, then ``error`` if any (as a digest
+    mismatch found at the end), pausing ``pause`` seconds before each."""
+
+    def __init__(self, parts: list[bytes], error: Exception | None = None, pause: float = 0):
+        self.parts, self.error, self.pause = parts, error, pause
+        self.closed = False
+
+    async def load_chunks(self, _manifest: Any) -> AsyncGenerator[bytes, None]:
+        try:
+            for part in self.parts:
+                await asyncio.sleep(self.pause)
+                yield part
+            if self.error is not None:
+                raise self.error
+        finally:
+            self.closed = True
+
+
+class Recording:
+    """A durable state that keeps what it read, in a transaction it commits at the end."""
+
+    def __init__(self, read_all: bool = True) -> None:
+        self.read_all = read_all
+        self.committed: bytes | None = None
+        self.thread = ""
+        self.ended = threading.Event()
+
+    def load_snapshot(self, state: Any, chunks: Iterable[bytes], mark: LogMark) -> Any:
+        self.thread = threading.current_thread().name
+        try:
+            taken = []
+            for chunk in chunks:
+                taken.append(chunk)
+                if not self.read_all:
+                    break
+            self.committed = b"".join(taken)
+            return "loaded"
+        finally:
+            self.ended.set()
+
+
+class Manifest:
+    snapshot_id = "ab" * 16
+
+
+def policy(chunks: Chunks) -> Any:
+    made: Any = object.__new__(SnapshotPolicy)
+    made._store = chunks
+    made._replica = type("R", (), {"state": "old"})()
+    return made
+
+
+async def test_chunks_are_stored_as_they_arrive_in_a_thread_of_their_own() -> None:
+    durable = Recording()
+    state = await policy(Chunks([b"ab", b"cd", b"e"]))._store_streamed(durable, Manifest(), MARK)
+    assert state == "loaded"
+    assert durable.committed == b"abcde"
+    assert durable.thread.startswith("pulsar-state-store-snapshot-")
+
+
+async def test_a_snapshot_found_damaged_at_its_end_stores_nothing() -> None:
+    durable, chunks = (
+        Recording(),
+        Chunks([b"ab", b"cd"], CorruptRecordError("digest", message_id="1:1")),
+    )
+    with pytest.raises(CorruptRecordError, match="digest"):
+        await policy(chunks)._store_streamed(durable, Manifest(), MARK)
+    assert durable.ended.is_set()  # the thread has ended when the error is raised
+    assert durable.committed is None
+    assert chunks.closed
+
+
+async def test_a_durable_state_that_stops_reading_early_fails_loudly() -> None:
+    durable = Recording(read_all=False)
+    with pytest.raises(RuntimeError, match="must iterate the chunks to their end"):
+        await policy(Chunks([b"ab", b"cd"]))._store_streamed(durable, Manifest(), MARK)
+
+
+async def test_a_cancelled_load_ends_its_thread_before_it_returns() -> None:
+    durable, chunks = Recording(), Chunks([b"a"] * 100, pause=0.05)
+    task = asyncio.create_task(policy(chunks)._store_streamed(durable, Manifest(), MARK))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert durable.ended.is_set()
+    assert durable.committed is None
+    assert chunks.closed
+
+
+async def test_a_load_cancelled_while_the_state_commits_waits_for_the_commit() -> None:
+    class SlowCommit(Recording):
+        def load_snapshot(self, state: Any, chunks: Iterable[bytes], mark: LogMark) -> Any:
+            taken = b"".join(chunks)
+            threading.Event().wait(0.5)  # committing, after the last chunk
+            self.committed = taken
+            self.ended.set()
+            return "loaded"
+
+    durable = SlowCommit()
+    task = asyncio.create_task(policy(Chunks([b"ab"]))._store_streamed(durable, Manifest(), MARK))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert durable.ended.is_set()  # not left committing behind the caller's back
+    assert durable.committed == b"ab"
