@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import CorruptRecordError, LogMark, LogPosition
+from pulsar_state import CorruptRecordError, LogMark, LogPosition, WriterBusyError
 from pulsar_state._snapshots import SnapshotPolicy
 
 MARK = LogMark(5, "r5", LogPosition(1, 1), "r1")
@@ -124,3 +124,12 @@ async def test_a_load_cancelled_while_the_state_commits_waits_for_the_commit() -
         await task
     assert durable.ended.is_set()  # not left committing behind the caller's back
     assert durable.committed == b"ab"
+
+
+async def test_no_snapshot_is_taken_while_one_is_being_stored() -> None:
+    # The store's content changes before the replica's version does: a snapshot taken then
+    # would label the new content with the old version.
+    loading: Any = policy(Chunks([]))
+    loading._storing, loading._topic = True, "persistent://public/default/t"
+    with pytest.raises(WriterBusyError, match="being loaded into this replica"):
+        await loading.take(1.0)
