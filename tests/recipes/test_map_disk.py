@@ -301,6 +301,21 @@ async def trimmed_map_topic(
         return await answers(writer), kept
 
 
+async def write_then_resume(
+    disk: PulsarMap[str, Any], store: DiskStore, service_url: str, admin_url: str, topic: str
+) -> None:
+    """A write on ``disk`` (open on ``store``, which it then closes); reopened, the store
+    resumes where it was, with nothing to read."""
+    await disk.put("after", 1)
+    expected = await answers(disk)
+    stored_at = disk.position
+    await disk.aclose()
+    async with new_map(service_url, topic, admin_url, store=store, **TRIMMING) as resumed:
+        assert resumed.stats.resumed_position == stored_at
+        assert resumed.stats.records_read == 0
+        assert await answers(resumed) == expected
+
+
 async def test_a_disk_replica_replaying_a_trimmed_log_falls_forward_into_its_store(
     service_url: str, admin_url: str, topic: str, tmp_path: Path
 ) -> None:
@@ -314,13 +329,7 @@ async def test_a_disk_replica_replaying_a_trimmed_log_falls_forward_into_its_sto
         assert disk.manager.halted is None
         assert disk.stats.fell_forward == 1
         assert await answers(disk) == expected
-        await disk.put("after", 1)
-        expected = await answers(disk)
-        stored_at = disk.position
-    async with new_map(service_url, topic, admin_url, store=store, **TRIMMING) as disk:
-        assert disk.stats.resumed_position == stored_at
-        assert disk.stats.records_read == 0
-        assert await answers(disk) == expected
+        await write_then_resume(disk, store, service_url, admin_url, topic)
 
 
 async def test_a_store_behind_the_trimmed_history_falls_forward_to_a_snapshot(
@@ -337,13 +346,7 @@ async def test_a_store_behind_the_trimmed_history_falls_forward_to_a_snapshot(
         assert disk.stats.snapshot_loaded_position == kept
         assert disk.stats.records_read == 3
         assert await answers(disk) == expected
-        await disk.put("after", 1)
-        expected = await answers(disk)
-        stored_at = disk.position
-    async with new_map(service_url, topic, admin_url, store=store, **TRIMMING) as disk:
-        assert disk.stats.resumed_position == stored_at
-        assert disk.stats.records_read == 0
-        assert await answers(disk) == expected
+        await write_then_resume(disk, store, service_url, admin_url, topic)
 
 
 async def test_a_store_of_a_recreated_topic_is_refused_under_trim_history_too(
