@@ -503,6 +503,9 @@ class StateReader:
 
     _POLL_MS = 100
     _BATCH = 1000
+    # Also cut by bytes: 32 queued batches of big messages (snapshot chunks, records of
+    # megabytes) would otherwise hold gigabytes ahead of the consumer.
+    _BATCH_BYTES = 4 * 1024 * 1024
 
     def __init__(self, reader: Any, topic: str) -> None:
         self._async_reader = reader
@@ -522,6 +525,7 @@ class StateReader:
 
     def _run(self) -> None:
         batch: list[RawMessage] = []
+        batch_bytes = 0
         while not self._stop.is_set():
             try:
                 # Block while idle; once a batch has started, take only what is already there.
@@ -529,7 +533,7 @@ class StateReader:
             except pulsar_exceptions.Timeout:
                 if batch:
                     self._hand_over(batch)
-                    batch = []
+                    batch, batch_bytes = [], 0
                 continue
             except Exception as exc:
                 if not self._stop.is_set():
@@ -538,10 +542,12 @@ class StateReader:
                 return
             mid = msg.message_id()
             # The key is not read: the pump has no use for it, and each call crosses into C++.
-            batch.append(RawMessage(msg.data(), LogPosition(mid.ledger_id(), mid.entry_id())))
-            if len(batch) >= self._BATCH:
+            data = msg.data()
+            batch.append(RawMessage(data, LogPosition(mid.ledger_id(), mid.entry_id())))
+            batch_bytes += len(data)
+            if len(batch) >= self._BATCH or batch_bytes >= self._BATCH_BYTES:
                 self._hand_over(batch)
-                batch = []
+                batch, batch_bytes = [], 0
 
     def _hand_over(self, batch: list[RawMessage]) -> None:
         while not self._stop.is_set():
@@ -796,8 +802,10 @@ class PulsarConnection:
         after: LogPosition | None = None,
         at: LogPosition | None = None,
         last: bool = False,
+        prefetch: int = 2000,
     ) -> StateReader:
-        """A reader from the start, just ``after`` a message, ``at`` one, or at the ``last``."""
+        """A reader from the start, just ``after`` a message, ``at`` one, or at the ``last``;
+        ``prefetch``: messages the client may receive ahead of reads (fewer for big ones)."""
         start = pulsar.MessageId.earliest
         inclusive = False
         if after is not None:
@@ -812,7 +820,7 @@ class PulsarConnection:
                 topic,
                 start,
                 reader_name=name,
-                receiver_queue_size=2000,
+                receiver_queue_size=prefetch,
                 start_message_id_inclusive=inclusive,
             )
         state_reader = StateReader(reader, topic)

@@ -54,6 +54,11 @@ __all__ = ["SnapshotPolicy", "SnapshotStore", "digest_of"]
 
 T = TypeVar("T")
 
+# Snapshot chunks the client may receive ahead of reads, and the bytes read ahead of a durable
+# state storing them: what a snapshot being loaded holds in memory besides the store.
+_CHUNK_PREFETCH = 8
+_STORE_AHEAD_BYTES = 32 * 1024 * 1024
+
 
 def run_in_own_thread(work: Callable[[], T], name: str) -> asyncio.Future[T]:
     """``work()`` in a new daemon thread; its outcome as a future of the running loop."""
@@ -190,7 +195,10 @@ class SnapshotStore:
         if tail is None or tail < at:
             raise missing
         deadline = asyncio.get_running_loop().time() + self._timeout_s
-        reader = await self.conn.create_reader(str(self.data_topic), at=at)
+        # Chunks are big (a megabyte by default): a few ahead are enough to keep reading.
+        reader = await self.conn.create_reader(
+            str(self.data_topic), at=at, prefetch=_CHUNK_PREFETCH
+        )
         digest, size, due = hashlib.sha256(), 0, 0
         last_seen: LogPosition | None = None
         try:
@@ -610,13 +618,23 @@ class SnapshotPolicy(Generic[S]):
         chunks' iterator, before anything is committed; the thread has always ended (its
         transaction committed or aborted) when this returns or raises."""
         chunks: queue.SimpleQueue[bytes | BaseException | None] = queue.SimpleQueue()
+        loop = asyncio.get_running_loop()
         exhausted = False
+        ahead = 0  # bytes read and not yet taken by the state
+        taken = asyncio.Event()
+
+        def took(size: int) -> None:
+            nonlocal ahead
+            ahead -= size
+            taken.set()
 
         def arriving() -> Iterator[bytes]:
             nonlocal exhausted
             while (item := chunks.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads
+                    loop.call_soon_threadsafe(took, len(item))
                 yield item
             exhausted = True
 
@@ -626,11 +644,18 @@ class SnapshotPolicy(Generic[S]):
             lambda: durable.load_snapshot(self._replica.state, arriving(), mark),
             f"store-snapshot-{manifest.snapshot_id[:8]}",
         )
+        storing.add_done_callback(lambda _: taken.set())
         try:
             async with contextlib.aclosing(self._store.load_chunks(manifest)) as loading:
                 async for chunk in loading:
+                    # Bounded: a state slower than the broker does not have the whole
+                    # snapshot piled up in memory ahead of it.
+                    while ahead > _STORE_AHEAD_BYTES and not storing.done():
+                        taken.clear()
+                        await taken.wait()
                     if storing.done():
                         break  # it failed: its error is raised below
+                    ahead += len(chunk)
                     chunks.put(chunk)
             chunks.put(None)
         except BaseException as exc:

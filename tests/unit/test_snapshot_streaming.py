@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from pulsar_state import CorruptRecordError, LogMark, LogPosition, WriterBusyError
+from pulsar_state import _snapshots as snapshots
 from pulsar_state._snapshots import SnapshotPolicy
 
 MARK = LogMark(5, "r5", LogPosition(1, 1), "r1")
@@ -133,3 +134,33 @@ async def test_no_snapshot_is_taken_while_one_is_being_stored() -> None:
     loading._storing, loading._topic = True, "persistent://public/default/t"
     with pytest.raises(WriterBusyError, match="being loaded into this replica"):
         await loading.take(1.0)
+
+
+async def test_chunks_are_read_ahead_of_a_slow_state_only_so_far(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(snapshots, "_STORE_AHEAD_BYTES", 10)
+    source = Chunks([b"abcd"] * 30)
+    yielded = 0
+    real = source.load_chunks
+
+    async def counting(manifest: Any) -> AsyncGenerator[bytes, None]:
+        nonlocal yielded
+        async for part in real(manifest):
+            yielded += 1
+            yield part
+
+    source.load_chunks = counting  # type: ignore[method-assign]
+    ahead: list[int] = []
+
+    class Slow(Recording):
+        def load_snapshot(self, state: Any, chunks: Iterable[bytes], mark: LogMark) -> Any:
+            for taken, _chunk in enumerate(chunks, 1):
+                threading.Event().wait(0.01)
+                ahead.append(yielded - taken)
+            return "loaded"
+
+    assert await policy(source)._store_streamed(Slow(), Manifest(), MARK) == "loaded"
+    assert len(ahead) == 30
+    # 10 bytes ahead is 3 chunks of 4, one more may be on its way from the source.
+    assert max(ahead) <= 4
