@@ -19,6 +19,7 @@ import asyncio
 import atexit
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import queue
@@ -302,6 +303,61 @@ async def wait_bounded(awaitable: Awaitable[T], timeout: float) -> T:
         future.cancel()
         raise TimeoutError
     return future.result()
+
+
+# The C++ client leaves a consumer whose SUBSCRIBE the broker refused as "Retryable" (the
+# topic being unloaded: "temporarily unavailable") attached to that connection, so its own
+# reconnection is skipped ("already connected") and the creation fails only at the operation
+# timeout: measured 30 s for 3 of 60 readers created during an unload (pulsar-client 3.13;
+# ConsumerImpl::handleCreateConsumer resets the connection only for a consumer created
+# before). Asking again after a short wait subscribes anew.
+_SUBSCRIBE_ATTEMPTS_S = (2.0, 4.0, 8.0)
+_late: set[asyncio.Task[None]] = set()
+
+
+def _close_when_created(pending: asyncio.Future[Any], what: str) -> None:
+    """Close whatever an abandoned creation gives, whenever it gives it."""
+
+    async def close(handle: Any) -> None:
+        try:
+            await wait_bounded(handle.close(), _CLOSE_TIMEOUT_S)
+        except Exception as exc:  # best effort: it is gone either way
+            logger.debug("closing an abandoned %s: %r", what, exc)
+
+    def created(done: asyncio.Future[Any]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return  # failed (the exception is retrieved here, so nothing warns about it)
+        task = asyncio.ensure_future(close(done.result()))
+        _late.add(task)
+        task.add_done_callback(_late.discard)
+
+    pending.add_done_callback(created)
+
+
+async def subscribe_bounded(create: Callable[[], Awaitable[T]], *, timeout: float, what: str) -> T:
+    """``await create()`` (a consumer or reader creation), asked again when an attempt has
+    no answer after a few seconds (see :data:`_SUBSCRIBE_ATTEMPTS_S`); OperationTimeoutError
+    after ``timeout``. An abandoned attempt's consumer is closed when it comes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    for attempt in itertools.count():
+        pending = asyncio.ensure_future(create())
+        step = _SUBSCRIBE_ATTEMPTS_S[min(attempt, len(_SUBSCRIBE_ATTEMPTS_S) - 1)]
+        try:
+            done, _ = await asyncio.wait(
+                {pending}, timeout=max(0.0, min(step, deadline - loop.time()))
+            )
+        except asyncio.CancelledError:
+            _close_when_created(pending, what)
+            raise
+        if done:
+            with translate_errors(what):
+                return pending.result()
+        _close_when_created(pending, what)
+        if loop.time() >= deadline:
+            break
+        logger.info("%s: no answer in %.0fs; asking the broker again", what, step)
+    raise OperationTimeoutError(f"{what}: no answer from the broker in {timeout:.0f}s")
 
 
 async def close_in_own_thread_async(close: Callable[[], object], timeout: float, what: str) -> bool:
@@ -720,6 +776,7 @@ class PulsarConnection:
         self.service_url = service_url
         self._pid = os.getpid()
         self._readers: list[StateReader] = []
+        self._operation_timeout_s = float(max(1, int(operation_timeout_s)))
         options: dict[str, Any] = {
             "operation_timeout_seconds": max(1, int(operation_timeout_s)),
             "connection_timeout_ms": int(connection_timeout_s * 1000),
@@ -751,6 +808,7 @@ class PulsarConnection:
         conn._client = client
         conn._pid = os.getpid()
         conn._readers = []
+        conn._operation_timeout_s = 30.0  # the client's default; a borrowed one may differ
         return conn
 
     async def create_writer(
@@ -815,14 +873,17 @@ class PulsarConnection:
         elif last:
             start, inclusive = pulsar.MessageId.latest, True
         _check_process(self._pid, "the Pulsar client")
-        with translate_errors(f"open a reader on {topic}"):
-            reader = await self._client.create_reader(
+        reader = await subscribe_bounded(
+            lambda: self._client.create_reader(
                 topic,
                 start,
                 reader_name=name,
                 receiver_queue_size=prefetch,
                 start_message_id_inclusive=inclusive,
-            )
+            ),
+            timeout=self._operation_timeout_s,
+            what=f"open a reader on {topic}",
+        )
         state_reader = StateReader(reader, topic)
         self._readers = [r for r in self._readers if not r._stop.is_set()]
         self._readers.append(state_reader)
@@ -832,15 +893,18 @@ class PulsarConnection:
         """A :class:`TailProbe` on ``topic`` (creates :data:`TAIL_SUBSCRIPTION` at the topic's
         first message if it does not exist yet)."""
         _check_process(self._pid, "the Pulsar client")
-        with translate_errors(f"open the tail probe on {topic}"):
-            consumer = await self._client.subscribe(
+        consumer = await subscribe_bounded(
+            lambda: self._client.subscribe(
                 topic,
                 TAIL_SUBSCRIPTION,
                 consumer_type=pulsar.ConsumerType.Failover,
                 receiver_queue_size=0,
                 consumer_name=name,
                 initial_position=pulsar.InitialPosition.Earliest,
-            )
+            ),
+            timeout=self._operation_timeout_s,
+            what=f"open the tail probe on {topic}",
+        )
         return TailProbe(consumer, topic)
 
     async def partitions(self, topic: str) -> list[str]:

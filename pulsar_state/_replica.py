@@ -309,10 +309,15 @@ class Replica(Generic[S, Op]):
             self.version,
         )
         assert self.read_to is not None
-        assert self._conn is not None
+        conn = self._conn
+        assert conn is not None
         self._log_waiters.release(self.read_to)
         self._version_waiters.release(self.version)
-        await self.open_reader(self._conn)
+        await retry_transient(
+            lambda: self.open_reader(conn),
+            deadline=deadline,
+            what=f"reopening the reader on {self._topic} after the snapshot",
+        )
 
     def _decode(self, record: Record, at: LogPosition) -> list[list[Op]]:
         try:
