@@ -4,7 +4,7 @@ The public API is what this module exports; everything in ``pulsar_state._*`` is
 See the README for the model, the guarantees and the exception tree.
 """
 
-from ._codecs import AvroCodec, BytesCodec, Codec, JsonCodec, StrCodec
+from ._codecs import AvroCodec, BytesCodec, Codec, JsonCodec, StrCodec, StreamingCodec
 from ._durable import DurableState, LogMark
 from ._envelope import SnapshotManifest
 from ._errors import (
@@ -72,6 +72,7 @@ __all__ = [
     "SharedStateManager",
     "SnapshotManifest",
     "StrCodec",
+    "StreamingCodec",
     "SyncFacade",
     "SyncSharedStateManager",
     "TopicError",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import json
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 import fastavro
@@ -19,7 +19,7 @@ import fastavro.validation
 
 from ._errors import CodecError, ConfigurationError, SchemaMismatchError
 
-__all__ = ["AvroCodec", "BytesCodec", "Codec", "JsonCodec", "StrCodec"]
+__all__ = ["AvroCodec", "BytesCodec", "Codec", "JsonCodec", "StrCodec", "StreamingCodec"]
 
 T = TypeVar("T")
 
@@ -31,6 +31,20 @@ class Codec(Protocol[T]):
     def encode(self, value: T, /) -> bytes: ...
 
     def decode(self, data: bytes, /) -> T: ...
+
+
+@runtime_checkable
+class StreamingCodec(Codec[T], Protocol[T]):
+    """A snapshot codec that also writes a state's bytes in parts, never all at once: for
+    states larger than memory (a disk-backed PulsarMap's). The manager takes snapshots with
+    :meth:`encode_parts` when the codec has it, in a worker thread, part by part.
+
+    ``b"".join(encode_parts(state)) == encode(state)``. The manager cannot check such a codec
+    for losslessness (``encode(decode(b)) == b`` needs the whole bytes): it checks itself as
+    it goes, raising :class:`CodecError`.
+    """
+
+    def encode_parts(self, value: T, /) -> Iterator[bytes]: ...
 
 
 class BytesCodec:

@@ -559,7 +559,7 @@ class StateReader:
 
     _POLL_MS = 100
     _BATCH = 1000
-    # Also cut by bytes: 32 queued batches of big messages (snapshot chunks, records of
+    # Also cut by bytes: queued batches of big messages (snapshot chunks, records of
     # megabytes) would otherwise hold gigabytes ahead of the consumer.
     _BATCH_BYTES = 4 * 1024 * 1024
 
@@ -569,7 +569,8 @@ class StateReader:
         self._topic = topic
         self._pid = os.getpid()
         self._loop = asyncio.get_running_loop()
-        self._batches: queue.Queue[list[RawMessage]] = queue.Queue(maxsize=32)
+        # 8 batches: at most 32 MB of big messages handed over ahead of the loop.
+        self._batches: queue.Queue[list[RawMessage]] = queue.Queue(maxsize=8)
         self._ready = asyncio.Event()
         self._pending: deque[RawMessage] = deque()
         self._error: BaseException | None = None

@@ -66,6 +66,18 @@ class RecordOwner(Protocol):
     def reject(self, record_id: str) -> None: ...
 
 
+# Bytes of records the client may receive ahead of the replica. The client's queue is counted
+# in messages: a replay of records of megabytes queued the whole log (2 GB measured for a
+# 10M-key map of 4 MB records). Reading small records is no faster with more than 64 ahead.
+_READ_AHEAD_BYTES = 64 * 1024 * 1024
+
+
+def read_ahead(max_record_bytes: int) -> int:
+    """Messages a replica's reader may receive ahead of reads, for records up to the size
+    this replica writes (records of other writers are rarely larger)."""
+    return max(16, min(2000, _READ_AHEAD_BYTES // max_record_bytes))
+
+
 class Replica(Generic[S, Op]):
     """The state, its version, how far the log has been read, and the pump that moves them."""
 
@@ -145,7 +157,10 @@ class Replica(Generic[S, Op]):
         if old is not None:
             await old.close()  # first: a new reader prefetches from the moment it exists
         self._reader = await conn.create_reader(
-            str(self._topic), name=self._reader_name, after=self.read_to
+            str(self._topic),
+            name=self._reader_name,
+            after=self.read_to,
+            prefetch=read_ahead(self._context.settings.max_record_bytes),
         )
 
     async def close_reader(self, timeout: float) -> None:

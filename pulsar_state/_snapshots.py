@@ -24,11 +24,12 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar, cast
 
 from ._admin import AdminClient, TopicName
-from ._codecs import Codec
+from ._codecs import Codec, StreamingCodec
 from ._context import Context
 from ._durable import DurableState, LogMark
 from ._envelope import (
@@ -58,6 +59,10 @@ T = TypeVar("T")
 # state storing them: what a snapshot being loaded holds in memory besides the store.
 _CHUNK_PREFETCH = 8
 _STORE_AHEAD_BYTES = 32 * 1024 * 1024
+# Chunks of a snapshot being written sent and not yet confirmed: the bytes held meanwhile.
+_CHUNKS_IN_FLIGHT = 8
+# The bytes digested per worker-thread step of a streamed determinism check.
+_DIGEST_STEP_BYTES = 1024 * 1024
 
 
 def run_in_own_thread(work: Callable[[], T], name: str) -> asyncio.Future[T]:
@@ -98,6 +103,70 @@ async def wait_out(future: asyncio.Future[Any]) -> None:
             break
     if cancelled:
         raise asyncio.CancelledError
+
+
+class Chunked:
+    """The bytes of ``parts`` joined, cut into chunks of ``size`` (the last may be shorter;
+    at least one, empty for no bytes), counted and digested as they go by."""
+
+    def __init__(self, parts: Iterable[bytes], size: int) -> None:
+        self._parts = parts
+        self._size = size
+        self.digest = hashlib.sha256()
+        self.total = 0
+        self.count = 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        size, pending = self._size, bytearray()
+        try:
+            for part in self._parts:
+                view = memoryview(part)
+                if pending:
+                    wanted = size - len(pending)
+                    pending += view[:wanted]
+                    view = view[wanted:]
+                    if len(pending) < size:
+                        continue
+                    yield self._counted(bytes(pending))
+                    pending.clear()
+                while len(view) >= size:
+                    yield self._counted(bytes(view[:size]))
+                    view = view[size:]
+                pending += view
+            if pending or not self.count:
+                yield self._counted(bytes(pending))
+        finally:
+            close = getattr(self._parts, "close", None)
+            if close is not None:  # a generator's own cleanup (a store's read transaction)
+                close()
+
+    def _counted(self, chunk: bytes) -> bytes:
+        self.digest.update(chunk)
+        self.total += len(chunk)
+        self.count += 1
+        return chunk
+
+
+_END: Any = object()
+
+
+async def step_in_worker(items: Iterator[T]) -> AsyncGenerator[T, None]:
+    """The items of a blocking iterator, each made in a worker thread. A step under way when
+    the consumer stops is waited out before the iterator is closed (on the loop): it may
+    read a store whose transaction the close ends."""
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            step = loop.run_in_executor(None, next, items, _END)
+            await wait_out(step)
+            item = step.result()
+            if item is _END:
+                return
+            yield item
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
 
 
 logger = logging.getLogger(__name__)
@@ -213,7 +282,7 @@ class SnapshotStore:
                 snapshot_id, index, count, data = decode_chunk(
                     message.payload, message_id=str(message.position)
                 )
-                if snapshot_id != manifest.snapshot_id or count != manifest.chunks:
+                if snapshot_id != manifest.snapshot_id or count not in (0, manifest.chunks):
                     continue  # a chunk of an unfinished snapshot written in between
                 if index != due:
                     raise CorruptRecordError(
@@ -315,7 +384,7 @@ class SnapshotStore:
 
     async def write(
         self,
-        data: bytes,
+        parts: Iterable[bytes],
         *,
         position: int,
         record_id: str,
@@ -323,7 +392,9 @@ class SnapshotStore:
         writer_id: str,
         origin: str | None = None,
     ) -> SnapshotManifest:
-        """Write the chunks, then the manifest. Raises WriterBusyError if another process is
+        """Write the snapshot whose bytes are ``parts`` joined as chunks, then the manifest.
+        The parts are made in a worker thread as the chunks are sent (a few in flight), so
+        no more than a few chunks are held. Raises WriterBusyError if another process is
         writing a snapshot right now."""
         snapshot_id = uuid.uuid4().hex
         first: tuple[LogPosition, str] | None = None
@@ -337,50 +408,70 @@ class SnapshotStore:
                     f"{self.state_topic} no longer holds message {log_position} of this "
                     "replica's history (was the topic deleted?): no snapshot written"
                 )
-        chunks = [
-            data[i : i + self._chunk_bytes] for i in range(0, len(data), self._chunk_bytes)
-        ] or [b""]
+        chunked = Chunked(parts, self._chunk_bytes)
         data_writer = await self._exclusive_writer(self.data_topic)
         try:
             index_writer = await self._exclusive_writer(self.index_topic)
             try:
+                first_chunk = await self._send_chunks(data_writer, snapshot_id, chunked)
+                manifest = SnapshotManifest(
+                    snapshot_id=snapshot_id,
+                    position=position,
+                    record_id=record_id,
+                    log_ledger=log_position.ledger,
+                    log_entry=log_position.entry,
+                    size=chunked.total,
+                    chunks=chunked.count,
+                    digest=chunked.digest.hexdigest(),
+                    first_chunk_ledger=first_chunk.ledger,
+                    first_chunk_entry=first_chunk.entry,
+                    created_at=time.time(),
+                    writer_id=writer_id,
+                    log_first_ledger=None if first is None else first[0].ledger,
+                    log_first_entry=None if first is None else first[0].entry,
+                    log_first_record=None if first is None else first[1],
+                    log_covered_record=None if covered is None else covered[1],
+                    log_origin=origin,
+                )
+                # Written last: a snapshot is used only once all its chunks are durable.
                 async with asyncio.timeout(self._timeout_s):
-                    sends = [
-                        asyncio.ensure_future(
-                            data_writer.send(
-                                encode_chunk(snapshot_id, i, len(chunks), chunk),
-                                key=f"{snapshot_id}/{i}",
-                            )
-                        )
-                        for i, chunk in enumerate(chunks)
-                    ]
-                    positions = await asyncio.gather(*sends)
-                    manifest = SnapshotManifest(
-                        snapshot_id=snapshot_id,
-                        position=position,
-                        record_id=record_id,
-                        log_ledger=log_position.ledger,
-                        log_entry=log_position.entry,
-                        size=len(data),
-                        chunks=len(chunks),
-                        digest=hashlib.sha256(data).hexdigest(),
-                        first_chunk_ledger=positions[0].ledger,
-                        first_chunk_entry=positions[0].entry,
-                        created_at=time.time(),
-                        writer_id=writer_id,
-                        log_first_ledger=None if first is None else first[0].ledger,
-                        log_first_entry=None if first is None else first[0].entry,
-                        log_first_record=None if first is None else first[1],
-                        log_covered_record=None if covered is None else covered[1],
-                        log_origin=origin,
-                    )
-                    # Written last: a snapshot is used only once all its chunks are durable.
                     await index_writer.send(encode_manifest(manifest), key=snapshot_id)
             finally:
                 await index_writer.close()
         finally:
             await data_writer.close()
         return manifest
+
+    async def _send_chunks(
+        self, writer: StateWriter, snapshot_id: str, chunked: Chunked
+    ) -> LogPosition:
+        """Send the chunks, at most :data:`_CHUNKS_IN_FLIGHT` unconfirmed at a time; the
+        position of the first. A chunk's count is written as 0 (not known until the last
+        one is made): the manifest has it."""
+        in_flight: deque[asyncio.Future[LogPosition]] = deque()
+        first: LogPosition | None = None
+        try:
+            async with contextlib.aclosing(step_in_worker(iter(chunked))) as chunks:
+                index = 0
+                async for chunk in chunks:
+                    if len(in_flight) >= _CHUNKS_IN_FLIGHT:
+                        sent = await in_flight.popleft()
+                        first = first or sent
+                    payload = encode_chunk(snapshot_id, index, 0, chunk)
+                    in_flight.append(
+                        asyncio.ensure_future(writer.send(payload, key=f"{snapshot_id}/{index}"))
+                    )
+                    index += 1
+            while in_flight:
+                sent = await in_flight.popleft()
+                first = first or sent
+        finally:
+            for send in in_flight:  # failed or cancelled: the rest are not waited for
+                send.cancel()
+            if in_flight:
+                await asyncio.gather(*in_flight, return_exceptions=True)
+        assert first is not None  # at least one chunk, even for no bytes
+        return first
 
     async def _exclusive_writer(self, topic: TopicName) -> StateWriter:
         # Exclusive: one snapshotting process at a time; another gets WriterBusyError.
@@ -481,6 +572,8 @@ class SnapshotPolicy(Generic[S]):
         # True while a snapshot is being stored into a durable state: its content may change
         # before the replica's version does, so no snapshot is taken meanwhile.
         self._storing = False
+        # A determinism check of a streamed codec under way (see check_determinism).
+        self._checking: asyncio.Task[None] | None = None
 
     @classmethod
     async def start(
@@ -694,7 +787,32 @@ class SnapshotPolicy(Generic[S]):
                 version,
             )
             return
-        digest = digest_of(self._codec.encode(state))
+        if isinstance(self._codec, StreamingCodec):
+            # A state too big to encode whole (and on the loop): digested part by part in a
+            # worker thread, from a copy of this moment, while the replica goes on.
+            if self._checking is None:
+                view = self._copy_state(state)
+                self._checking = asyncio.create_task(self._check_streamed(manifest, view))
+            return
+        self._compare(manifest, digest_of(self._codec.encode(state)))
+
+    async def _check_streamed(self, manifest: SnapshotManifest, view: S) -> None:
+        codec = cast(StreamingCodec[S], self._codec)
+        chunked = Chunked(codec.encode_parts(view), _DIGEST_STEP_BYTES)
+        try:
+            async with contextlib.aclosing(step_in_worker(iter(chunked))) as chunks:
+                async for _chunk in chunks:
+                    pass
+            self._compare(manifest, chunked.digest.hexdigest())
+        except Exception as exc:  # the check only: the replica is not at fault
+            logger.warning(
+                "could not check %s against snapshot %s: %s", self._topic, manifest.snapshot_id, exc
+            )
+        finally:
+            self._checking = None
+
+    def _compare(self, manifest: SnapshotManifest, digest: str) -> None:
+        version = manifest.position
         if digest == manifest.digest:
             logger.debug("replayed state matches snapshot %s", manifest.snapshot_id)
             return
@@ -726,9 +844,14 @@ class SnapshotPolicy(Generic[S]):
         started = time.perf_counter()
         try:
             async with asyncio.timeout(timeout):
-                data = await asyncio.to_thread(encode_checked, self._codec, state)
+                parts: Iterable[bytes]
+                if isinstance(self._codec, StreamingCodec):
+                    # Made as the chunks are sent (in a worker thread): never whole in memory.
+                    parts = self._codec.encode_parts(state)
+                else:
+                    parts = (await asyncio.to_thread(encode_checked, self._codec, state),)
                 manifest = await self._store.write(
-                    data,
+                    parts,
                     position=version,
                     record_id=record_id,
                     log_position=log_position,
@@ -823,13 +946,16 @@ class SnapshotPolicy(Generic[S]):
             self._task = asyncio.create_task(self._auto())
 
     async def settle(self, timeout: float) -> None:
-        """Let a running automatic snapshot finish (within ``timeout``)."""
-        if self._task is not None:
+        """Let a running automatic snapshot (and a determinism check) finish, within
+        ``timeout``."""
+        running = [task for task in (self._task, self._checking) if task is not None]
+        if running:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._task), timeout)
+                await asyncio.wait_for(asyncio.shield(asyncio.gather(*running)), timeout)
 
     async def cancel(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        for task in (self._task, self._checking):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task

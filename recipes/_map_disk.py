@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import io
 import json
 import logging
 import os
@@ -46,9 +45,11 @@ from pathlib import Path
 from typing import Any, Final, Generic, Literal, TypeVar, cast
 
 from pulsar_state import (
+    BytesCodec,
     Codec,
     CodecError,
     ConfigurationError,
+    JsonCodec,
     LogMark,
     LogPosition,
     PulsarStateError,
@@ -83,7 +84,8 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 # 2: the mark may carry the history's origin (a store of format 1 is read as having none).
-FORMAT: Final = 2
+# 3: a mark may say "a snapshot is being loaded" (loads commit in several transactions).
+FORMAT: Final = 3
 MARKER = "PULSAR_STATE_MAP"
 _OWNER_LOCK = "owner.lock"
 _INFO = b"info"
@@ -92,11 +94,16 @@ _MARK = b"mark"
 MAX_KEY_BYTES: Final = 511
 
 _VERSION = struct.Struct(">Q")
-# state (0 empty, 1 at a mark, 2 at a mark with an origin), position, ledger, entry, number of
-# keys; the record id follows: the rest (state 1), or (state 2) its length (_ID_LENGTH) first,
-# then the origin's record id (ids may hold any character, NUL included).
+# state (0 empty, 1 at a mark, 2 at a mark with an origin, 3 a snapshot being loaded: whatever
+# is stored is discarded on open), position, ledger, entry, number of keys; the record id
+# follows: the rest (state 1), or (state 2) its length (_ID_LENGTH) first, then the origin's
+# record id (ids may hold any character, NUL included).
 _MARK_HEAD = struct.Struct(">Bqqqq")
 _ID_LENGTH = struct.Struct(">I")
+_LOADING_MARK = _MARK_HEAD.pack(3, 0, 0, 0, 0)
+# A snapshot is stored in transactions of about this many bytes of entries: LMDB holds a write
+# transaction's dirty pages in memory until it commits.
+_LOAD_TRANSACTION_BYTES = 16 * 1024 * 1024
 _INVERT = bytes(255 - i for i in range(256))
 _INT, _BYTES, _STR = 0x00, 0x01, 0x02
 
@@ -394,6 +401,14 @@ class _Env:
         if raw is None:
             return None, 0
         state, position, ledger, entry, count = _MARK_HEAD.unpack_from(raw)
+        if state == 3:
+            logger.warning(
+                "the local store %s was left while a snapshot was being loaded into it: "
+                "emptied, to be built again",
+                self.path,
+            )
+            self.wipe()
+            return None, 0
         if state == 0:
             return None, 0
         ids, origin = bytes(raw[_MARK_HEAD.size :]), None
@@ -420,6 +435,20 @@ class _Env:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _batches(entries: Iterable[tuple[bytes, bytes]]) -> Iterator[list[tuple[bytes, bytes]]]:
+    """``entries`` in lists of about :data:`_LOAD_TRANSACTION_BYTES`."""
+    batch: list[tuple[bytes, bytes]] = []
+    size = 0
+    for key, value in entries:
+        batch.append((key, value))
+        size += len(key) + len(value)
+        if size >= _LOAD_TRANSACTION_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def pack_mark(mark: LogMark | None, count: int) -> bytes:
@@ -452,6 +481,8 @@ class DiskMapState(MapState[K, V]):
         "_codecs",
         "_count",
         "_env",
+        "_failed_load",
+        "_load_view",
         "_loading",
         "_mark",
         "_pending",
@@ -475,6 +506,12 @@ class DiskMapState(MapState[K, V]):
         self._mark: LogMark | None = None
         self._read_txn: Any = None
         self._loading = False
+        # While a snapshot loads: the loop's reads see the content from before (this read
+        # transaction), aborted on the loop once the load is over.
+        self._load_view: Any = None
+        # Why this state may not take more records: a snapshot load failed half-way and
+        # emptied the store.
+        self._failed_load: str | None = None
         self.entries = _DiskEntries(self)  # type: ignore[assignment]
         self.values = _DiskValues(self)  # type: ignore[assignment]
 
@@ -543,8 +580,12 @@ class DiskMapState(MapState[K, V]):
     # ------------------------------------------------------------ reading the store
 
     def _txn(self) -> Any:
-        if self._loading:  # a snapshot is being loaded in another thread: no long-lived view
-            return self._env.env.begin(db=self._env.data)
+        view = self._load_view
+        if view is not None:
+            if self._loading:  # a snapshot is being stored by another thread
+                return view
+            self._load_view = None
+            view.abort()
         txn = self._read_txn
         if txn is None:
             txn = self._read_txn = self._env.env.begin(db=self._env.data)
@@ -721,6 +762,10 @@ class DiskMapState(MapState[K, V]):
 
     def commit(self, mark: LogMark) -> None:
         """Store the current record's changes and ``mark`` in one LMDB transaction."""
+        if self._failed_load is not None:
+            raise LocalStoreError(
+                f"the local store {self.config.path} was emptied: {self._failed_load}"
+            )
         env, encode = self._env, self._codecs.values.encode
         self._drop_read()
         staged: list[tuple[K, MapEntry[V] | None, int]] = []
@@ -760,16 +805,26 @@ class DiskMapState(MapState[K, V]):
 
     def load_snapshot(self, chunks: Iterable[bytes], mark: LogMark) -> DiskMapState[K, V]:
         """Replace the store's content by the snapshot at ``mark`` (its bytes: ``chunks``
-        joined, stored as they arrive), in ONE transaction, aborted if the chunks' iterator
-        raises (runs in a worker thread; reads meanwhile see the old content)."""
+        joined), stored as the chunks arrive, in transactions of bounded size (runs in a
+        worker thread). Meanwhile the mark says "loading" (a process killed then reopens to
+        an empty store) and the loop's reads see the old content. If the chunks' iterator
+        raises, the store is left empty and this state takes no more records."""
+        env = self._env
+        self._drop_read()
+        self._load_view = env.env.begin(db=env.data)
         self._loading = True
         try:
-            env = self._env
-            items = stored_entries(chunks, self._codecs)
             with env.env.begin(write=True) as txn:
+                txn.put(_MARK, _LOADING_MARK, db=env.meta)
                 txn.drop(env.data, delete=False)
-                _consumed, count = txn.cursor(db=env.data).putmulti(items)
+            count = 0
+            for batch in _batches(stored_entries(chunks, self._codecs)):
+                with env.env.begin(write=True) as txn:
+                    count += txn.cursor(db=env.data).putmulti(batch)[1]
+            with env.env.begin(write=True) as txn:
                 txn.put(_MARK, pack_mark(mark, count), db=env.meta)
+            # Before the loop's reads leave the old content (at the end of the load).
+            self._failed_load = None
             self._cache.clear()
             self._pending.clear()
             self._cleared = False
@@ -777,8 +832,16 @@ class DiskMapState(MapState[K, V]):
             self._mark = mark
             self.position = mark.position
             self.op_index = 0
+        except BaseException as exc:
+            self._failed_load = f"loading the snapshot at position {mark.position} failed: {exc}"
+            try:
+                env.wipe()
+            except Exception as wipe_error:  # the mark still says "loading": emptied on open
+                logger.warning("could not empty %s: %s", env.path, wipe_error)
+            self._cache.clear()
+            self._mark, self._count, self._pending_count = None, 0, 0
+            raise
         finally:
-            self._read_txn = None  # the loop's old view is dropped, not reused
             self._loading = False
         return self
 
@@ -896,13 +959,14 @@ class _DiskView(MapState[K, V]):
     """A disk state frozen at one moment (an LMDB read transaction): what a snapshot
     encodes in another thread while the live state goes on."""
 
-    __slots__ = ("_codecs", "_txn")
+    __slots__ = ("_codecs", "_txn", "count_stored")
 
     def __init__(self, live: DiskMapState[K, V], txn: Any) -> None:
         super().__init__()
         self._order = None
         self._codecs = live._codecs
         self._txn = txn
+        self.count_stored = live._count  # taken between records: what the transaction sees
         self.position = live.position
         self.op_index = live.op_index
         self.last_tag = live.last_tag
@@ -1074,11 +1138,22 @@ class _SnapshotImage(MapState[K, V]):
     __hash__ = None
 
 
+# Codecs whose encode(decode(b)) is b for any b they encoded: a snapshot's entries are not
+# decoded to check it. Any other codec is checked entry by entry as the snapshot is made.
+_EXACT_CODECS: Final = (BytesCodec, StrCodec, JsonCodec)
+# A streamed snapshot's bytes are handed over in parts of about this size.
+_PART_BYTES = 1024 * 1024
+
+
 class DiskSnapshotCodec(MapSnapshotCodec[K, V]):
     """The map's snapshot codec, reading a disk state's stored bytes as they are (the same
-    bytes :class:`MapSnapshotCodec` writes for the same map). Decoding gives a lazy image of
-    the bytes (the core's lossless check, in bounded memory); loading a snapshot into the
-    store streams it (:meth:`DiskMapState.load_snapshot`)."""
+    bytes :class:`MapSnapshotCodec` writes for the same map), part by part
+    (:meth:`encode_parts`: the core's streamed snapshots). Decoding gives a lazy image of
+    the bytes; loading a snapshot into the store streams it (:meth:`DiskMapState.load_snapshot`).
+
+    Streaming needs the store's order to be the snapshot's (sorted by key bytes): str keys
+    (StrCodec) and bytes keys (BytesCodec). With another key codec the entries are sorted in
+    memory when a snapshot is taken."""
 
     def decode(self, data: bytes, /) -> MapState[K, V]:
         return _SnapshotImage(data, self._codecs)
@@ -1086,38 +1161,57 @@ class DiskSnapshotCodec(MapSnapshotCodec[K, V]):
     def encode(self, state: MapState[K, V], /) -> bytes:
         if isinstance(state, _SnapshotImage):
             return self._encode_image(state)
-        if isinstance(state, _DiskView):  # its transaction ends when the view is dropped
-            return self._encode_stored(state.position, state)
-        if isinstance(state, DiskMapState):  # the live state (the determinism check)
-            view = cast(_DiskView[K, V], state.copy())
-            try:
-                return self._encode_stored(state.position, view)
-            finally:
-                view.close()
+        if isinstance(state, _DiskView | DiskMapState):
+            return b"".join(self.encode_parts(state))
         return super().encode(state)
 
-    def _encode_stored(self, position: int, view: _DiskView[K, V]) -> bytes:
-        """The snapshot bytes of a store, streamed: in store order, which is the key codec's
-        byte order for str keys (UTF-8); a key codec whose bytes sort otherwise (JSON ints)
-        is sorted in memory instead."""
-        key_bytes, entry = self._codecs.key_bytes, _SNAPSHOT_ENTRY.pack
-        out = io.BytesIO()
-        out.write(_SNAPSHOT_MAGIC)
-        out.write(_SNAPSHOT_HEAD.pack(position, 0))  # the count is written at the end
+    def encode_parts(self, state: MapState[K, V], /) -> Iterator[bytes]:
+        """The snapshot bytes of ``state`` in parts of about a megabyte. A disk view's read
+        transaction ends with the last part (or when the parts are closed)."""
+        if isinstance(state, DiskMapState):  # the live state: a view of this moment
+            state = cast(_DiskView[K, V], state.copy())
+        if not isinstance(state, _DiskView):
+            yield self.encode(state)
+            return
+        try:
+            key_codec: type = type(self._codecs.keys)
+            if key_codec in (StrCodec, BytesCodec):
+                yield from self._stored_parts(state)
+            else:
+                yield self._encode_sorted(state.position, state)
+        finally:
+            state.close()
+
+    def _stored_parts(self, view: _DiskView[K, V]) -> Iterator[bytes]:
+        codecs = self._codecs
+        entry, version_of, version_size = _SNAPSHOT_ENTRY.pack, _VERSION.unpack_from, _VERSION.size
+        check_keys = type(codecs.keys) not in _EXACT_CODECS
+        check_values = type(codecs.values) not in _EXACT_CODECS
+        part = bytearray(_SNAPSHOT_MAGIC + _SNAPSHOT_HEAD.pack(view.position, view.count_stored))
         count, previous = 0, b""
         for skey, raw in view.stored():
-            encoded = key_bytes(key_from_store(skey))
+            encoded = skey[1:]  # str (UTF-8) and bytes keys: their bytes after the type tag
             if encoded < previous:
-                return self._encode_sorted(position, view)
+                raise CodecError(f"the store's keys are out of order at {encoded[:40]!r}")
             previous = encoded
-            value = raw[_VERSION.size :]
-            out.write(entry(_VERSION.unpack_from(raw)[0], len(encoded), len(value)))
-            out.write(encoded)
-            out.write(value)
+            value = raw[version_size:]
+            if check_keys and codecs.key_bytes(codecs.decode_key(encoded)) != encoded:
+                raise CodecError(_LOSSY.format("key"))
+            if check_values and codecs.values.encode(codecs.decode_value(value)) != value:
+                raise CodecError(_LOSSY.format("value"))
+            part += entry(version_of(raw)[0], len(encoded), len(value))
+            part += encoded
+            part += value
             count += 1
-        out.seek(len(_SNAPSHOT_MAGIC))
-        out.write(_SNAPSHOT_HEAD.pack(position, count))
-        return out.getvalue()
+            if len(part) >= _PART_BYTES:
+                yield bytes(part)
+                part.clear()
+        if count != view.count_stored:
+            raise CodecError(
+                f"the store holds {count} entries where its mark counts {view.count_stored}: "
+                "no snapshot written"
+            )
+        yield bytes(part)
 
     def _encode_sorted(self, position: int, view: _DiskView[K, V]) -> bytes:
         key_bytes = self._codecs.key_bytes
@@ -1151,3 +1245,9 @@ class DiskSnapshotCodec(MapSnapshotCodec[K, V]):
         for key, version, value in items:
             parts += [_SNAPSHOT_ENTRY.pack(version, len(key), len(value)), key, value]
         return b"".join(parts)
+
+
+_LOSSY = (
+    "the map's {} codec is lossy: encode(decode(bytes)) differs from the bytes it encoded; "
+    "no snapshot written"
+)

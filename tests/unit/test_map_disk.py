@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import recipes._map_disk as map_disk
 from pulsar_state import BytesCodec, CodecError, JsonCodec, LogMark, LogPosition, StrCodec
 from recipes._map_disk import (
     _MARK_HEAD,
@@ -300,14 +301,19 @@ class _LossyCodec(JsonCodec):
         return value
 
 
-def test_a_snapshot_of_a_disk_state_is_checked_without_decoding_the_map(tmp_path: Path) -> None:
-    from pulsar_state._snapshots import encode_checked
-
+def test_a_snapshot_of_a_disk_state_is_streamed_and_checked_entry_by_entry(
+    tmp_path: Path,
+) -> None:
     state = open_state(tmp_path)
-    apply_records(state, [[CODECS.put(f"k{i}", {"i": i}) for i in range(50)]], 1, commit=True)
+    value = {"pad": "v" * 100}
+    apply_records(state, [[CODECS.put(f"k{i:06d}", value) for i in range(20_000)]], 1, commit=True)
     codec = DiskSnapshotCodec(CODECS)
-    data = encode_checked(codec, state.copy())
+    parts = list(codec.encode_parts(state.copy()))
+    assert len(parts) > 1  # a few megabytes: handed over in parts, never joined here
+    assert all(len(part) < 2 * 1024 * 1024 for part in parts)
+    data = b"".join(parts)
     assert data == MapSnapshotCodec(CODECS).encode(MapSnapshotCodec(CODECS).decode(data))
+    assert codec.encode(state) == data  # the live state: through a view of its own
     image = codec.decode(data)
     assert codec.encode(image) is data  # checked entry by entry, no copy
     assert image == state
@@ -315,7 +321,7 @@ def test_a_snapshot_of_a_disk_state_is_checked_without_decoding_the_map(tmp_path
     apply_records(state, [[CODECS.put("lossy", {"keep": 1, "drop": 2})]], 2, commit=True)
     lossy: MapCodecs[str, Any] = MapCodecs(StrCodec(), _LossyCodec())
     with pytest.raises(CodecError, match="lossy"):
-        encode_checked(DiskSnapshotCodec(lossy), state.copy())
+        b"".join(DiskSnapshotCodec(lossy).encode_parts(state.copy()))
     state.close_store()
 
 
@@ -356,13 +362,11 @@ def test_the_mark_keeps_the_origin_and_a_format_1_mark_reads_without_one(tmp_pat
     old.close_store()
 
 
-def test_a_snapshot_whose_chunks_fail_or_do_not_parse_leaves_the_store_as_it_was(
+def test_a_snapshot_whose_chunks_fail_or_do_not_parse_leaves_an_empty_store(
     tmp_path: Path,
 ) -> None:
-    state = open_state(tmp_path)
-    state.begin(1)
-    state.apply(CODECS.put("kept", 1))
-    state.commit(LogMark(1, "r1", LogPosition(1, 1)))
+    """Nothing of a failed load is kept (nor the old content, dropped as it began); the
+    state then refuses records until it is reopened (and rebuilt)."""
     memory: MapState[str, Any] = MapState()
     memory.load({})
     for i in range(50):
@@ -388,13 +392,99 @@ def test_a_snapshot_whose_chunks_fail_or_do_not_parse_leaves_the_store_as_it_was
     bytes_map.apply(bytes_codecs.put(b"\xff", 1))
     cases.append(([MapSnapshotCodec(bytes_codecs).encode(bytes_map)], CodecError, "a key"))
     for chunks, error, message in cases:
+        state = open_state(tmp_path)
+        state.begin(1)
+        state.apply(CODECS.put("kept", 1))
+        state.commit(LogMark(1, "r1", LogPosition(1, 1)))
         with pytest.raises(error, match=message):
             state.load_snapshot(chunks, LogMark(9, "snap", LogPosition(2, 2)))
-        assert state.mark == LogMark(1, "r1", LogPosition(1, 1))
-        assert [(k, e.value) for k, e in state.entries_in_order()] == [("kept", 1)]
+        assert state.mark is None
+        assert list(state.entries_in_order()) == []
+        state.begin(2)
+        state.apply(CODECS.put("after", 2))
+        with pytest.raises(LocalStoreError, match="emptied"):
+            state.commit(LogMark(2, "r2", LogPosition(1, 2)))
+        state.close_store()
+        reopened = open_state(tmp_path)
+        assert reopened.mark is None
+        assert list(reopened.entries_in_order()) == []
+        reopened.close_store()
+
+
+def test_reads_during_a_snapshot_load_see_the_old_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(map_disk, "_LOAD_TRANSACTION_BYTES", 200)  # many transactions
+    state = open_state(tmp_path)
+    state.begin(1)
+    state.apply(CODECS.put("old", 1))
+    state.commit(LogMark(1, "r1", LogPosition(1, 1)))
+    memory: MapState[str, Any] = MapState()
+    memory.load({})
+    for i in range(100):
+        memory.apply(CODECS.put(f"k{i:03d}", i))
+    data = MapSnapshotCodec(CODECS).encode(memory)
+    seen: list[Any] = []
+
+    def chunks() -> Any:
+        for at in range(0, len(data), 100):
+            yield data[at : at + 100]
+            # The load's transactions have committed some entries by now.
+            seen.append((state.lookup("old"), state.lookup("k000"), state.count()))
+
+    state.load_snapshot(chunks(), LogMark(9, "snap", LogPosition(2, 2)))
+    assert len(seen) > 10
+    assert all(found[0] is not None and found[0].value == 1 for found in seen)
+    assert all(found[1] is None and found[2] == 1 for found in seen)
+    assert state.lookup("old") is None
+    assert state.count() == 100
+    assert [k for k, _ in state.entries_in_order()] == [f"k{i:03d}" for i in range(100)]
     state.close_store()
+
+
+_KILLED_MID_LOAD = """
+import os, signal, sys
+from typing import Any
+sys.path[:0] = [{root!r}]
+import recipes._map_disk as map_disk
+from pulsar_state import JsonCodec, LogMark, LogPosition, StrCodec
+from recipes._map_disk import DiskMapState, DiskStore
+from recipes._map_ops import MapCodecs, MapSnapshotCodec, MapState
+
+map_disk._LOAD_TRANSACTION_BYTES = 200
+codecs = MapCodecs(StrCodec(), JsonCodec())
+state = DiskMapState(DiskStore({path!r}), codecs, {topic!r})
+state.open_store()
+state.begin(1)
+state.apply(codecs.put("old", 1))
+state.commit(LogMark(1, "r1", LogPosition(1, 1)))
+memory = MapState()
+memory.load({{}})
+for i in range(100):
+    memory.apply(codecs.put(f"k{{i:03d}}", i))
+data = MapSnapshotCodec(codecs).encode(memory)
+
+def chunks():
+    for at in range(0, len(data), 100):
+        yield data[at : at + 100]
+        if at >= 2000:  # several transactions committed: killed half-way
+            os.kill(os.getpid(), signal.SIGKILL)
+
+state.load_snapshot(chunks(), LogMark(9, "snap", LogPosition(2, 2)))
+"""
+
+
+def test_a_process_killed_while_loading_a_snapshot_reopens_to_an_empty_store(
+    tmp_path: Path,
+) -> None:
+    script = _KILLED_MID_LOAD.format(
+        root=str(Path(__file__).resolve().parents[2]), path=str(tmp_path), topic=TOPIC
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert done.returncode == -9, done.stderr.decode()
     reopened = open_state(tmp_path)
-    assert [(k, e.value) for k, e in reopened.entries_in_order()] == [("kept", 1)]
+    assert reopened.mark is None
+    assert list(reopened.entries_in_order()) == []  # not the old content, nor part of the new
     reopened.close_store()
 
 

@@ -4,6 +4,7 @@ source is a stand-in for the snapshot reader, the durable state a recording one)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
@@ -164,3 +165,64 @@ async def test_chunks_are_read_ahead_of_a_slow_state_only_so_far(
     assert len(ahead) == 30
     # 10 bytes ahead is 3 chunks of 4, one more may be on its way from the source.
     assert max(ahead) <= 4
+
+
+# ---------------------------------------------------------------------- taking, streamed
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [],
+        [b""],
+        [b"abc"],
+        [b"a" * 10],
+        [b"a" * 25],
+        [b"ab", b"cdefghij", b"k", b"", b"lmnopqrstuvwxyz" * 3],
+        [bytes(range(7))] * 9,
+    ],
+)
+def test_chunked_cuts_the_joined_parts_into_chunks_and_digests_them(parts: list[bytes]) -> None:
+    chunked = snapshots.Chunked(iter(parts), 10)
+    chunks = list(chunked)
+    joined = b"".join(parts)
+    assert b"".join(chunks) == joined
+    assert chunks == ([joined[i : i + 10] for i in range(0, len(joined), 10)] or [b""])
+    assert chunked.count == len(chunks)
+    assert chunked.total == len(joined)
+    assert chunked.digest.hexdigest() == snapshots.digest_of(joined)
+
+
+async def test_parts_stepped_in_a_worker_are_closed_after_the_step_under_way() -> None:
+    """A consumer that stops (cancelled while a part is being made) closes the parts only
+    once that step is over: the parts may read a store whose transaction the close ends."""
+    events: list[str] = []
+    making = threading.Event()
+    release = threading.Event()
+
+    def parts() -> Any:
+        try:
+            yield b"first"
+            making.set()
+            release.wait(5)
+            events.append("second made")
+            yield b"second"
+        finally:
+            events.append("closed")
+
+    async def consume() -> list[bytes]:
+        got = []
+        async with contextlib.aclosing(snapshots.step_in_worker(parts())) as stepped:
+            async for part in stepped:
+                got.append(part)
+        return got
+
+    task = asyncio.create_task(consume())
+    await asyncio.to_thread(making.wait, 5)
+    task.cancel()
+    await asyncio.sleep(0.1)
+    assert not task.done()  # waiting out the step under way
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert events == ["second made", "closed"]
