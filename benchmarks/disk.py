@@ -6,12 +6,14 @@ latency, and the time to open again: from the local store, from a snapshot, by a
 
 One topic is preloaded with ``--keys`` keys of 100-byte values (25,000-key ``put_all``
 records) by a disk-backed writer. Every measurement then runs in its own Python process, so
-that its peak RSS (``VmHWM``) is its own: it opens the map the way named, reports the
-open time and how many records it read, times ``--puts`` sequential ``put`` calls (half new
-keys, half overwrites), then cached gets (keys it just wrote) and uncached gets (random keys
-of the whole map). Results go to stdout as JSON and to ``benchmarks/disk_results.json`` (or
-``--out``). ``--no-memory`` skips the in-memory map's runs (at 10M keys it needs about 6 GB;
-the issue compares the disk map at 10M keys with the in-memory map at 1M).
+that its peak RSS (``VmHWM``, which counts the store's file pages mapped in too) is its own,
+with the peak of its own memory (``RssAnon``, sampled) beside it: it opens the map the way
+named, reports the open time and how many records it read, times ``--puts`` sequential
+``put`` calls (half new keys, half overwrites), then cached gets (keys it just wrote) and
+uncached gets (random keys of the whole map). Results go to stdout as JSON and to
+``benchmarks/disk_results.json`` (or ``--out``). ``--no-memory`` skips the in-memory map's
+runs (at 10M keys it needs about 6 GB; the issue compares the disk map at 10M keys with the
+in-memory map at 1M).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -68,6 +71,25 @@ def _rss() -> dict[str, float]:
     }
 
 
+class _PeakAnon:
+    """The peak of RssAnon (the process's own memory, not the store's file pages mapped in
+    and counted by VmHWM), sampled every 20 ms by a thread."""
+
+    def __init__(self) -> None:
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak_mb = max(self.peak_mb, _rss()["rss_anon_mb"])
+
+    def stop(self) -> float:
+        self._stop.set()
+        self.peak_mb = max(self.peak_mb, _rss()["rss_anon_mb"])
+        return self.peak_mb
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -82,6 +104,7 @@ async def _child(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_snapshot_load:
         options["load_snapshot"] = False
     baseline = _rss()["rss_anon_mb"]
+    peak_anon = _PeakAnon()
     started = time.perf_counter()
     async with PulsarMap(args.url, args.topic, **options) as m:
         opened_s = time.perf_counter() - started
@@ -96,7 +119,9 @@ async def _child(args: argparse.Namespace) -> dict[str, Any]:
             "rss_before_open_mb": baseline,
         }
         if args.snapshot_after:
+            began = time.perf_counter()
             result["snapshot_position"] = await m.snapshot()
+            result["snapshot_s"] = time.perf_counter() - began
         if args.puts:
             rng = random.Random(5)
             loop = asyncio.get_running_loop()
@@ -121,6 +146,7 @@ async def _child(args: argparse.Namespace) -> dict[str, Any]:
                     times.append(time.perf_counter() - began)
                 result[f"get_{label}_p50_us"] = _percentile(times, 0.5) * 1e6
         result.update(_rss())
+        result["peak_anon_mb"] = peak_anon.stop()
     return result
 
 

@@ -119,7 +119,8 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         on_progress: called with :class:`ReplayProgress` during the bootstrap replay.
         snapshot_codec: encodes the whole state to bytes and back; enables snapshots
             (``snapshot()``, automatic policies, and opening from the newest good snapshot).
-            It must be deterministic (same state, same bytes): digests are compared.
+            It must be deterministic (same state, same bytes): digests are compared. A
+            :class:`StreamingCodec` (with ``encode_parts``) is written part by part.
         snapshot_every_records / snapshot_every_bytes: the writer takes a snapshot after this
             many records (or bytes of records) since the last one. None: only manual.
         snapshot_chunk_bytes: snapshot chunk size (one message each; no overall size cap).

@@ -335,29 +335,34 @@ def _close_when_created(pending: asyncio.Future[Any], what: str) -> None:
 
 
 async def subscribe_bounded(create: Callable[[], Awaitable[T]], *, timeout: float, what: str) -> T:
-    """``await create()`` (a consumer or reader creation), asked again when an attempt has
-    no answer after a few seconds (see :data:`_SUBSCRIBE_ATTEMPTS_S`); OperationTimeoutError
-    after ``timeout``. An abandoned attempt's consumer is closed when it comes."""
+    """``await create()`` (a consumer or reader creation), asked again when no attempt has
+    answered after a few seconds (see :data:`_SUBSCRIBE_ATTEMPTS_S`); the first attempt to
+    answer wins, the others are closed when they come. OperationTimeoutError after
+    ``timeout``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    for attempt in itertools.count():
-        pending = asyncio.ensure_future(create())
-        step = _SUBSCRIBE_ATTEMPTS_S[min(attempt, len(_SUBSCRIBE_ATTEMPTS_S) - 1)]
-        try:
+    attempts: list[asyncio.Future[T]] = []
+    try:
+        for attempt in itertools.count():
+            attempts.append(asyncio.ensure_future(create()))
+            step = _SUBSCRIBE_ATTEMPTS_S[min(attempt, len(_SUBSCRIBE_ATTEMPTS_S) - 1)]
+            wait = max(0.0, min(step, deadline - loop.time()))
             done, _ = await asyncio.wait(
-                {pending}, timeout=max(0.0, min(step, deadline - loop.time()))
+                attempts, timeout=wait, return_when=asyncio.FIRST_COMPLETED
             )
-        except asyncio.CancelledError:
+            if done:
+                # A success if there is one, else the first failure.
+                answered = min(done, key=lambda f: f.exception() is not None)
+                attempts.remove(answered)
+                with translate_errors(what):
+                    return answered.result()
+            if loop.time() >= deadline:
+                break
+            logger.info("%s: no answer in %.0fs; asking the broker again", what, step)
+        raise OperationTimeoutError(f"{what}: no answer from the broker in {timeout:.0f}s")
+    finally:
+        for pending in attempts:
             _close_when_created(pending, what)
-            raise
-        if done:
-            with translate_errors(what):
-                return pending.result()
-        _close_when_created(pending, what)
-        if loop.time() >= deadline:
-            break
-        logger.info("%s: no answer in %.0fs; asking the broker again", what, step)
-    raise OperationTimeoutError(f"{what}: no answer from the broker in {timeout:.0f}s")
 
 
 async def close_in_own_thread_async(close: Callable[[], object], timeout: float, what: str) -> bool:
@@ -637,6 +642,13 @@ class StateReader:
                 return self._batches.get_nowait()
             except queue.Empty:
                 await self._ready.wait()
+
+    def abandon(self, reason: str) -> None:
+        """Make the next read fail (after what was read already), so that the replica
+        replaces this reader; from the loop's thread."""
+        if self._error is None:
+            self._error = BrokerUnavailableError(f"reader on {self._topic}: {reason}")
+        self._ready.set()
 
     async def read_next(self) -> RawMessage:
         if not self._pending:

@@ -41,6 +41,7 @@ from ._envelope import (
     message_fingerprint,
 )
 from ._errors import (
+    ClosedError,
     CodecError,
     CorruptRecordError,
     OperationTimeoutError,
@@ -63,6 +64,8 @@ _STORE_AHEAD_BYTES = 32 * 1024 * 1024
 _CHUNKS_IN_FLIGHT = 8
 # The bytes digested per worker-thread step of a streamed determinism check.
 _DIGEST_STEP_BYTES = 1024 * 1024
+# How long closing waits for a snapshot taken by hand to stop making parts.
+_TAKES_STOP_S = 10.0
 
 
 def run_in_own_thread(work: Callable[[], T], name: str) -> asyncio.Future[T]:
@@ -391,8 +394,12 @@ class SnapshotStore:
         log_position: LogPosition,
         writer_id: str,
         origin: str | None = None,
+        count: int = 0,
     ) -> SnapshotManifest:
         """Write the snapshot whose bytes are ``parts`` joined as chunks, then the manifest.
+        ``count``: the number of chunks when known ahead (bytes known whole), written in
+        each chunk; 0 for a streamed snapshot (the manifest has it: readers before 0.2 skip
+        such chunks, taking the snapshot as incomplete).
         The parts are made in a worker thread as the chunks are sent (a few in flight), so
         no more than a few chunks are held. Raises WriterBusyError if another process is
         writing a snapshot right now."""
@@ -413,7 +420,7 @@ class SnapshotStore:
         try:
             index_writer = await self._exclusive_writer(self.index_topic)
             try:
-                first_chunk = await self._send_chunks(data_writer, snapshot_id, chunked)
+                first_chunk = await self._send_chunks(data_writer, snapshot_id, chunked, count)
                 manifest = SnapshotManifest(
                     snapshot_id=snapshot_id,
                     position=position,
@@ -442,12 +449,15 @@ class SnapshotStore:
             await data_writer.close()
         return manifest
 
+    def chunks_for(self, size: int) -> int:
+        """How many chunks ``size`` bytes take (at least one)."""
+        return max(1, -(-size // self._chunk_bytes))
+
     async def _send_chunks(
-        self, writer: StateWriter, snapshot_id: str, chunked: Chunked
+        self, writer: StateWriter, snapshot_id: str, chunked: Chunked, count: int
     ) -> LogPosition:
         """Send the chunks, at most :data:`_CHUNKS_IN_FLIGHT` unconfirmed at a time; the
-        position of the first. A chunk's count is written as 0 (not known until the last
-        one is made): the manifest has it."""
+        position of the first."""
         in_flight: deque[asyncio.Future[LogPosition]] = deque()
         first: LogPosition | None = None
         try:
@@ -457,7 +467,7 @@ class SnapshotStore:
                     if len(in_flight) >= _CHUNKS_IN_FLIGHT:
                         sent = await in_flight.popleft()
                         first = first or sent
-                    payload = encode_chunk(snapshot_id, index, 0, chunk)
+                    payload = encode_chunk(snapshot_id, index, count, chunk)
                     in_flight.append(
                         asyncio.ensure_future(writer.send(payload, key=f"{snapshot_id}/{index}"))
                     )
@@ -574,6 +584,8 @@ class SnapshotPolicy(Generic[S]):
         self._storing = False
         # A determinism check of a streamed codec under way (see check_determinism).
         self._checking: asyncio.Task[None] | None = None
+        # Snapshots being taken (automatic or by hand): each a future done when it ends.
+        self._takes: set[asyncio.Future[None]] = set()
 
     @classmethod
     async def start(
@@ -790,7 +802,7 @@ class SnapshotPolicy(Generic[S]):
         if isinstance(self._codec, StreamingCodec):
             # A state too big to encode whole (and on the loop): digested part by part in a
             # worker thread, from a copy of this moment, while the replica goes on.
-            if self._checking is None:
+            if self._checking is None and not self._context.closed:
                 view = self._copy_state(state)
                 self._checking = asyncio.create_task(self._check_streamed(manifest, view))
             return
@@ -798,7 +810,7 @@ class SnapshotPolicy(Generic[S]):
 
     async def _check_streamed(self, manifest: SnapshotManifest, view: S) -> None:
         codec = cast(StreamingCodec[S], self._codec)
-        chunked = Chunked(codec.encode_parts(view), _DIGEST_STEP_BYTES)
+        chunked = Chunked(self._unless_closed(codec.encode_parts(view)), _DIGEST_STEP_BYTES)
         try:
             async with contextlib.aclosing(step_in_worker(iter(chunked))) as chunks:
                 async for _chunk in chunks:
@@ -831,6 +843,28 @@ class SnapshotPolicy(Generic[S]):
 
     async def take(self, timeout: float) -> SnapshotManifest:
         """Write a snapshot of the state as it is now."""
+        taking = asyncio.get_running_loop().create_future()
+        self._takes.add(taking)
+        try:
+            return await self._take(timeout)
+        finally:
+            self._takes.discard(taking)
+            taking.set_result(None)
+
+    def _unless_closed(self, parts: Iterable[bytes]) -> Iterator[bytes]:
+        """``parts``, ended by ClosedError once the manager closes (checked before each, in
+        the worker thread): the state's store is closed next."""
+        try:
+            for part in parts:
+                if self._context.closed:
+                    raise ClosedError(f"{self._topic} was closed while a snapshot was made")
+                yield part
+        finally:
+            close = getattr(parts, "close", None)
+            if close is not None:
+                close()
+
+    async def _take(self, timeout: float) -> SnapshotManifest:
         replica = self._replica
         if self._storing:
             raise WriterBusyError(
@@ -845,13 +879,16 @@ class SnapshotPolicy(Generic[S]):
         try:
             async with asyncio.timeout(timeout):
                 parts: Iterable[bytes]
+                count = 0  # of chunks: known only at the end of a streamed snapshot
                 if isinstance(self._codec, StreamingCodec):
                     # Made as the chunks are sent (in a worker thread): never whole in memory.
-                    parts = self._codec.encode_parts(state)
+                    parts = self._unless_closed(self._codec.encode_parts(state))
                 else:
-                    parts = (await asyncio.to_thread(encode_checked, self._codec, state),)
+                    data = await asyncio.to_thread(encode_checked, self._codec, state)
+                    parts, count = (data,), self._store.chunks_for(len(data))
                 manifest = await self._store.write(
                     parts,
+                    count=count,
                     position=version,
                     record_id=record_id,
                     log_position=log_position,
@@ -954,8 +991,12 @@ class SnapshotPolicy(Generic[S]):
                 await asyncio.wait_for(asyncio.shield(asyncio.gather(*running)), timeout)
 
     async def cancel(self) -> None:
+        """Stop the automatic snapshot and the determinism check; wait for snapshots taken by
+        hand to stop making parts (``context.closed`` ends them at the next part)."""
         for task in (self._task, self._checking):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+        if self._takes:
+            await asyncio.wait(set(self._takes), timeout=_TAKES_STOP_S)

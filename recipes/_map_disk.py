@@ -84,7 +84,8 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 # 2: the mark may carry the history's origin (a store of format 1 is read as having none).
-# 3: a mark may say "a snapshot is being loaded" (loads commit in several transactions).
+# 3: the entries live in one of two databases, the meta "active" key names which: a snapshot is
+# loaded into the other, then switched to in one transaction.
 FORMAT: Final = 3
 MARKER = "PULSAR_STATE_MAP"
 _OWNER_LOCK = "owner.lock"
@@ -94,13 +95,13 @@ _MARK = b"mark"
 MAX_KEY_BYTES: Final = 511
 
 _VERSION = struct.Struct(">Q")
-# state (0 empty, 1 at a mark, 2 at a mark with an origin, 3 a snapshot being loaded: whatever
-# is stored is discarded on open), position, ledger, entry, number of keys; the record id
-# follows: the rest (state 1), or (state 2) its length (_ID_LENGTH) first, then the origin's
-# record id (ids may hold any character, NUL included).
+# state (0 empty, 1 at a mark, 2 at a mark with an origin), position, ledger, entry, number of
+# keys; the record id follows: the rest (state 1), or (state 2) its length (_ID_LENGTH) first,
+# then the origin's record id (ids may hold any character, NUL included).
 _MARK_HEAD = struct.Struct(">Bqqqq")
 _ID_LENGTH = struct.Struct(">I")
-_LOADING_MARK = _MARK_HEAD.pack(3, 0, 0, 0, 0)
+_ACTIVE = b"active"
+_DATABASES = (b"data", b"data.b")
 # A snapshot is stored in transactions of about this many bytes of entries: LMDB holds a write
 # transaction's dirty pages in memory until it commits.
 _LOAD_TRANSACTION_BYTES = 16 * 1024 * 1024
@@ -284,7 +285,9 @@ class _Env:
         self.config = config
         self.path = Path(config.path)
         self.env: Any = None
-        self.data: Any = None
+        self.data: Any = None  # the entries (the active database)
+        self.spare: Any = None  # where a snapshot is loaded, then switched to
+        self.spare_name = _DATABASES[1]
         self.meta: Any = None
         self._lock_fd: int | None = None
 
@@ -323,7 +326,7 @@ class _Env:
             self.env = lmdb.open(
                 str(path),
                 map_size=self.config.map_size,
-                max_dbs=2,
+                max_dbs=3,
                 subdir=True,
                 # Commits reach the page cache, not the disk: a killed process loses nothing
                 # committed; a machine crash is detected by the boot id (see the module doc).
@@ -331,8 +334,13 @@ class _Env:
                 metasync=False,
                 readahead=False,
             )
-            self.data = self.env.open_db(b"data")
             self.meta = self.env.open_db(b"meta")
+            with self.env.begin(db=self.meta) as txn:
+                active = bytes(txn.get(_ACTIVE) or _DATABASES[0])
+            self.spare_name = _DATABASES[1] if active == _DATABASES[0] else _DATABASES[0]
+            self.data = self.env.open_db(active)
+            self.spare = self.env.open_db(self.spare_name)
+            self.drop_spare()  # what a load killed half-way left, if anything
             return self._check_info(topic, codecs)
         except BaseException:
             self.close(clean=False)
@@ -393,7 +401,20 @@ class _Env:
         """Empty the store (one transaction): no entries, no mark."""
         with self.env.begin(write=True) as txn:
             txn.drop(self.data, delete=False)
+            txn.drop(self.spare, delete=False)
             txn.delete(_MARK, db=self.meta)
+
+    def drop_spare(self) -> None:
+        """Empty the spare database (a few milliseconds even for millions of entries: LMDB
+        frees the leaf pages without reading them)."""
+        with self.env.begin(write=True) as txn:
+            if txn.stat(self.spare)["entries"]:
+                txn.drop(self.spare, delete=False)
+
+    def switched(self) -> None:
+        """The spare database was made the active one (by a load): swap the handles."""
+        self.data, self.spare = self.spare, self.data
+        self.spare_name = _DATABASES[1] if self.spare_name == _DATABASES[0] else _DATABASES[0]
 
     def read_mark(self) -> tuple[LogMark | None, int]:
         with self.env.begin(db=self.meta) as txn:
@@ -401,14 +422,6 @@ class _Env:
         if raw is None:
             return None, 0
         state, position, ledger, entry, count = _MARK_HEAD.unpack_from(raw)
-        if state == 3:
-            logger.warning(
-                "the local store %s was left while a snapshot was being loaded into it: "
-                "emptied, to be built again",
-                self.path,
-            )
-            self.wipe()
-            return None, 0
         if state == 0:
             return None, 0
         ids, origin = bytes(raw[_MARK_HEAD.size :]), None
@@ -481,13 +494,11 @@ class DiskMapState(MapState[K, V]):
         "_codecs",
         "_count",
         "_env",
-        "_failed_load",
-        "_load_view",
-        "_loading",
         "_mark",
         "_pending",
         "_pending_count",
         "_read_txn",
+        "_switched",
         "_topic",
     )
 
@@ -505,13 +516,9 @@ class DiskMapState(MapState[K, V]):
         self._pending_count = 0
         self._mark: LogMark | None = None
         self._read_txn: Any = None
-        self._loading = False
-        # While a snapshot loads: the loop's reads see the content from before (this read
-        # transaction), aborted on the loop once the load is over.
-        self._load_view: Any = None
-        # Why this state may not take more records: a snapshot load failed half-way and
-        # emptied the store.
-        self._failed_load: str | None = None
+        # Set by a snapshot load (a worker thread) once the store switched to the loaded
+        # database; the loop's next use of the store follows it (see _settle).
+        self._switched = False
         self.entries = _DiskEntries(self)  # type: ignore[assignment]
         self.values = _DiskValues(self)  # type: ignore[assignment]
 
@@ -579,13 +586,23 @@ class DiskMapState(MapState[K, V]):
 
     # ------------------------------------------------------------ reading the store
 
+    def _settle(self) -> None:
+        """On the loop, once a snapshot load switched the store: read the loaded database
+        from now on (until then, and while it loaded, the loop read the old one, cache
+        included), and empty the old one."""
+        if not self._switched:
+            return
+        self._switched = False
+        self._drop_read()
+        self._cache.clear()
+        self._env.switched()
+        try:
+            self._env.drop_spare()
+        except _lmdb().Error as exc:  # only space: the next open or load empties it
+            logger.warning("could not empty the old entries of %s: %s", self.config.path, exc)
+
     def _txn(self) -> Any:
-        view = self._load_view
-        if view is not None:
-            if self._loading:  # a snapshot is being stored by another thread
-                return view
-            self._load_view = None
-            view.abort()
+        self._settle()
         txn = self._read_txn
         if txn is None:
             txn = self._read_txn = self._env.env.begin(db=self._env.data)
@@ -608,8 +625,9 @@ class DiskMapState(MapState[K, V]):
             return None if pending is _DELETED else cast(MapEntry[V], pending)
         if self._cleared:
             return None
+        self._settle()
         cache = self._cache
-        found = cache.get(key) if not self._loading else None
+        found = cache.get(key)
         if found is not None:
             return found
         if type(key) not in KEY_TYPES:
@@ -619,8 +637,7 @@ class DiskMapState(MapState[K, V]):
         if raw is None:
             return None
         entry, size = self._decode(raw)
-        if not self._loading:
-            cache.put(key, entry, size)
+        cache.put(key, entry, size)
         return entry
 
     def exists(self, key: K) -> bool:
@@ -629,7 +646,8 @@ class DiskMapState(MapState[K, V]):
             return pending is not _DELETED
         if self._cleared:
             return False
-        if not self._loading and self._cache.peek(key) is not None:
+        self._settle()
+        if self._cache.peek(key) is not None:
             return True
         if type(key) not in KEY_TYPES:
             hash(key)
@@ -657,6 +675,7 @@ class DiskMapState(MapState[K, V]):
         self, low: bytes | None, high: bytes | None, *, with_values: bool
     ) -> Iterator[tuple[K, MapEntry[V] | None]]:
         """(key, entry) in key order with ``low <= key < high``; entries only when asked."""
+        self._settle()
         pending = self._pending
         if not pending:
             peek = self._cache.peek
@@ -762,10 +781,7 @@ class DiskMapState(MapState[K, V]):
 
     def commit(self, mark: LogMark) -> None:
         """Store the current record's changes and ``mark`` in one LMDB transaction."""
-        if self._failed_load is not None:
-            raise LocalStoreError(
-                f"the local store {self.config.path} was emptied: {self._failed_load}"
-            )
+        self._settle()
         env, encode = self._env, self._codecs.values.encode
         self._drop_read()
         staged: list[tuple[K, MapEntry[V] | None, int]] = []
@@ -801,48 +817,40 @@ class DiskMapState(MapState[K, V]):
     def copy(self) -> MapState[K, V]:
         """A consistent, read-only view of the store for a snapshot (its own LMDB read
         transaction: applies go on meanwhile)."""
+        self._settle()
         return _DiskView(self, self._env.env.begin(db=self._env.data))
 
     def load_snapshot(self, chunks: Iterable[bytes], mark: LogMark) -> DiskMapState[K, V]:
         """Replace the store's content by the snapshot at ``mark`` (its bytes: ``chunks``
-        joined), stored as the chunks arrive, in transactions of bounded size (runs in a
-        worker thread). Meanwhile the mark says "loading" (a process killed then reopens to
-        an empty store) and the loop's reads see the old content. If the chunks' iterator
-        raises, the store is left empty and this state takes no more records."""
+        joined), stored as the chunks arrive (runs in a worker thread, while the replica
+        applies nothing). The entries go into the spare database in transactions of about
+        16 MB, then ONE transaction makes it the active one with ``mark``: a process killed
+        before reopens to the old content, one killed after to the snapshot. If the chunks'
+        iterator raises, the spare is emptied and nothing else changed. Meanwhile, the
+        loop's reads see the old content; its next use of the store follows the switch."""
         env = self._env
-        self._drop_read()
-        self._load_view = env.env.begin(db=env.data)
-        self._loading = True
         try:
-            with env.env.begin(write=True) as txn:
-                txn.put(_MARK, _LOADING_MARK, db=env.meta)
-                txn.drop(env.data, delete=False)
+            env.drop_spare()  # empty already, unless the old entries could not be dropped
             count = 0
             for batch in _batches(stored_entries(chunks, self._codecs)):
                 with env.env.begin(write=True) as txn:
-                    count += txn.cursor(db=env.data).putmulti(batch)[1]
+                    count += txn.cursor(db=env.spare).putmulti(batch)[1]
             with env.env.begin(write=True) as txn:
+                txn.put(_ACTIVE, env.spare_name, db=env.meta)
                 txn.put(_MARK, pack_mark(mark, count), db=env.meta)
-            # Before the loop's reads leave the old content (at the end of the load).
-            self._failed_load = None
-            self._cache.clear()
-            self._pending.clear()
-            self._cleared = False
-            self._count = self._pending_count = count
-            self._mark = mark
-            self.position = mark.position
-            self.op_index = 0
-        except BaseException as exc:
-            self._failed_load = f"loading the snapshot at position {mark.position} failed: {exc}"
+        except BaseException:
             try:
-                env.wipe()
-            except Exception as wipe_error:  # the mark still says "loading": emptied on open
-                logger.warning("could not empty %s: %s", env.path, wipe_error)
-            self._cache.clear()
-            self._mark, self._count, self._pending_count = None, 0, 0
+                env.drop_spare()
+            except Exception as exc:  # only space: emptied on the next open or load
+                logger.warning("could not empty the spare database of %s: %s", env.path, exc)
             raise
-        finally:
-            self._loading = False
+        self._pending.clear()
+        self._cleared = False
+        self._count = self._pending_count = count
+        self._mark = mark
+        self.position = mark.position
+        self.op_index = 0
+        self._switched = True
         return self
 
     def refuse_history(self, reason: str) -> None:
@@ -1182,11 +1190,23 @@ class DiskSnapshotCodec(MapSnapshotCodec[K, V]):
         finally:
             state.close()
 
+    def _check_lossless(self, key: bytes, value: bytes) -> None:
+        """CodecError unless the codecs give back the bytes they encoded (codecs other
+        than the built-in ones only)."""
+        codecs = self._codecs
+        exact_keys = type(codecs.keys) in _EXACT_CODECS
+        if not exact_keys and codecs.key_bytes(codecs.decode_key(key)) != key:
+            raise CodecError(_LOSSY.format("key"))
+        exact_values = type(codecs.values) in _EXACT_CODECS
+        if not exact_values and codecs.values.encode(codecs.decode_value(value)) != value:
+            raise CodecError(_LOSSY.format("value"))
+
     def _stored_parts(self, view: _DiskView[K, V]) -> Iterator[bytes]:
         codecs = self._codecs
         entry, version_of, version_size = _SNAPSHOT_ENTRY.pack, _VERSION.unpack_from, _VERSION.size
-        check_keys = type(codecs.keys) not in _EXACT_CODECS
-        check_values = type(codecs.values) not in _EXACT_CODECS
+        check = None
+        if type(codecs.keys) not in _EXACT_CODECS or type(codecs.values) not in _EXACT_CODECS:
+            check = self._check_lossless
         part = bytearray(_SNAPSHOT_MAGIC + _SNAPSHOT_HEAD.pack(view.position, view.count_stored))
         count, previous = 0, b""
         for skey, raw in view.stored():
@@ -1195,10 +1215,8 @@ class DiskSnapshotCodec(MapSnapshotCodec[K, V]):
                 raise CodecError(f"the store's keys are out of order at {encoded[:40]!r}")
             previous = encoded
             value = raw[version_size:]
-            if check_keys and codecs.key_bytes(codecs.decode_key(encoded)) != encoded:
-                raise CodecError(_LOSSY.format("key"))
-            if check_values and codecs.values.encode(codecs.decode_value(value)) != value:
-                raise CodecError(_LOSSY.format("value"))
+            if check is not None:
+                check(encoded, value)
             part += entry(version_of(raw)[0], len(encoded), len(value))
             part += encoded
             part += value
@@ -1219,6 +1237,7 @@ class DiskSnapshotCodec(MapSnapshotCodec[K, V]):
         parts = [_SNAPSHOT_MAGIC, _SNAPSHOT_HEAD.pack(position, len(items))]
         for encoded, raw in items:
             value = raw[_VERSION.size :]
+            self._check_lossless(encoded, value)
             version = _VERSION.unpack_from(raw)[0]
             parts += [_SNAPSHOT_ENTRY.pack(version, len(encoded), len(value)), encoded, value]
         return b"".join(parts)

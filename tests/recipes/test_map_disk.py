@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import JsonCodec, LogMark, SnapshotManifest, StrCodec
+from pulsar_state import ClosedError, JsonCodec, LogMark, SnapshotManifest, StrCodec
 from pulsar_state._envelope import encode_manifest
 from pulsar_state.testing import admin_request
 from recipes import DiskStore, LocalStoreError, MapEvent, PulsarMap
@@ -478,3 +478,23 @@ async def test_a_replica_killed_at_any_moment_reopens_at_a_record_boundary(
         assert boundaries == sorted(boundaries)
         assert boundaries[-1] > 0
     print(f"stored positions after {KILLS} kills: {boundaries}")
+
+
+async def test_a_disk_map_closed_while_a_snapshot_is_taken_ends_it_first(
+    service_url: str, admin_url: str, topic: str, tmp_path: Path
+) -> None:
+    """Closing waits until the snapshot's worker thread stops reading the store (the next
+    part it would make ends with ClosedError), then closes the store under it."""
+    store = DiskStore(tmp_path / "s")
+    async with new_map(service_url, topic, admin_url, snapshots=True, store=store) as m:
+        value = "v" * 100
+        for start in range(0, 300_000, 5_000):
+            await m.put_all({f"k{i:07d}": value for i in range(start, start + 5_000)})
+        taking = asyncio.create_task(m.snapshot())
+        await asyncio.sleep(0.3)  # tens of megabytes: still being made
+        assert not taking.done()
+    with pytest.raises(ClosedError, match="closed while a snapshot was made"):
+        await taking
+    async with new_map(service_url, topic, admin_url, snapshots=True, store=store) as again:
+        assert again.stats.records_read == 0  # resumed from its store, which is whole
+        assert len(again) == 300_000

@@ -362,24 +362,27 @@ def test_the_mark_keeps_the_origin_and_a_format_1_mark_reads_without_one(tmp_pat
     old.close_store()
 
 
-def test_a_snapshot_whose_chunks_fail_or_do_not_parse_leaves_an_empty_store(
-    tmp_path: Path,
+def test_a_snapshot_whose_chunks_fail_or_do_not_parse_leaves_the_store_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Nothing of a failed load is kept (nor the old content, dropped as it began); the
-    state then refuses records until it is reopened (and rebuilt)."""
+    monkeypatch.setattr(map_disk, "_LOAD_TRANSACTION_BYTES", 50)  # fails after commits
+    state = open_state(tmp_path)
+    state.begin(1)
+    state.apply(CODECS.put("kept", 1))
+    state.commit(LogMark(1, "r1", LogPosition(1, 1)))
     memory: MapState[str, Any] = MapState()
     memory.load({})
     for i in range(50):
         memory.apply(CODECS.put(f"k{i}", i))
     data = MapSnapshotCodec(CODECS).encode(memory)
 
-    def damaged_after_two() -> Any:
+    def damaged_after_most() -> Any:
         yield data[:10]
-        yield data[10:20]
+        yield data[10:-20]
         raise RuntimeError("the digest did not match")
 
     cases: list[tuple[Any, type[Exception], str]] = [
-        (damaged_after_two(), RuntimeError, "digest"),
+        (damaged_after_most(), RuntimeError, "digest"),
         ([data[:-3]], CodecError, "truncated"),
         ([data, b"x"], CodecError, "left over"),
         ([b"PSMAQ" + data[5:]], CodecError, "not a PulsarMap snapshot"),
@@ -392,23 +395,17 @@ def test_a_snapshot_whose_chunks_fail_or_do_not_parse_leaves_an_empty_store(
     bytes_map.apply(bytes_codecs.put(b"\xff", 1))
     cases.append(([MapSnapshotCodec(bytes_codecs).encode(bytes_map)], CodecError, "a key"))
     for chunks, error, message in cases:
-        state = open_state(tmp_path)
-        state.begin(1)
-        state.apply(CODECS.put("kept", 1))
-        state.commit(LogMark(1, "r1", LogPosition(1, 1)))
         with pytest.raises(error, match=message):
             state.load_snapshot(chunks, LogMark(9, "snap", LogPosition(2, 2)))
-        assert state.mark is None
-        assert list(state.entries_in_order()) == []
-        state.begin(2)
-        state.apply(CODECS.put("after", 2))
-        with pytest.raises(LocalStoreError, match="emptied"):
-            state.commit(LogMark(2, "r2", LogPosition(1, 2)))
-        state.close_store()
-        reopened = open_state(tmp_path)
-        assert reopened.mark is None
-        assert list(reopened.entries_in_order()) == []
-        reopened.close_store()
+        assert state.mark == LogMark(1, "r1", LogPosition(1, 1))
+        assert [(k, e.value) for k, e in state.entries_in_order()] == [("kept", 1)]
+    state.begin(2)  # and it goes on from where it was
+    state.apply(CODECS.put("after", 2))
+    state.commit(LogMark(2, "r2", LogPosition(1, 2)))
+    state.close_store()
+    reopened = open_state(tmp_path)
+    assert [(k, e.value) for k, e in reopened.entries_in_order()] == [("after", 2), ("kept", 1)]
+    reopened.close_store()
 
 
 def test_reads_during_a_snapshot_load_see_the_old_content(
@@ -439,7 +436,14 @@ def test_reads_during_a_snapshot_load_see_the_old_content(
     assert state.lookup("old") is None
     assert state.count() == 100
     assert [k for k, _ in state.entries_in_order()] == [f"k{i:03d}" for i in range(100)]
+    with state._env.env.begin() as txn:  # the old entries are gone once the loop followed
+        assert txn.stat(state._env.spare)["entries"] == 0
     state.close_store()
+    reopened = open_state(tmp_path)
+    assert reopened.mark == LogMark(9, "snap", LogPosition(2, 2))
+    assert reopened.count() == 100
+    assert reopened.lookup("k099") is not None
+    reopened.close_store()
 
 
 _KILLED_MID_LOAD = """
@@ -474,7 +478,7 @@ state.load_snapshot(chunks(), LogMark(9, "snap", LogPosition(2, 2)))
 """
 
 
-def test_a_process_killed_while_loading_a_snapshot_reopens_to_an_empty_store(
+def test_a_process_killed_while_loading_a_snapshot_reopens_to_the_old_content(
     tmp_path: Path,
 ) -> None:
     script = _KILLED_MID_LOAD.format(
@@ -483,8 +487,10 @@ def test_a_process_killed_while_loading_a_snapshot_reopens_to_an_empty_store(
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert done.returncode == -9, done.stderr.decode()
     reopened = open_state(tmp_path)
-    assert reopened.mark is None
-    assert list(reopened.entries_in_order()) == []  # not the old content, nor part of the new
+    assert reopened.mark == LogMark(1, "r1", LogPosition(1, 1))
+    assert [(k, e.value) for k, e in reopened.entries_in_order()] == [("old", 1)]
+    with reopened._env.env.begin() as txn:  # the part loaded was dropped on open
+        assert txn.stat(reopened._env.spare)["entries"] == 0
     reopened.close_store()
 
 

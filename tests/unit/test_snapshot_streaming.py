@@ -68,6 +68,7 @@ def policy(chunks: Chunks) -> Any:
     made: Any = object.__new__(SnapshotPolicy)
     made._store = chunks
     made._replica = type("R", (), {"state": "old"})()
+    made._takes = set()
     return made
 
 
