@@ -108,6 +108,14 @@ async def wait_out(future: asyncio.Future[Any]) -> None:
         raise asyncio.CancelledError
 
 
+def close_iterator(items: object) -> None:
+    """Run a generator's own cleanup now (a store's read transaction), not whenever it is
+    collected; other iterators have none."""
+    close = getattr(items, "close", None)
+    if close is not None:
+        close()
+
+
 class Chunked:
     """The bytes of ``parts`` joined, cut into chunks of ``size`` (the last may be shorter;
     at least one, empty for no bytes), counted and digested as they go by."""
@@ -139,9 +147,7 @@ class Chunked:
             if pending or not self.count:
                 yield self._counted(bytes(pending))
         finally:
-            close = getattr(self._parts, "close", None)
-            if close is not None:  # a generator's own cleanup (a store's read transaction)
-                close()
+            close_iterator(self._parts)
 
     def _counted(self, chunk: bytes) -> bytes:
         self.digest.update(chunk)
@@ -167,9 +173,7 @@ async def step_in_worker(items: Iterator[T]) -> AsyncGenerator[T, None]:
                 return
             yield item
     finally:
-        close = getattr(items, "close", None)
-        if close is not None:
-            close()
+        close_iterator(items)
 
 
 logger = logging.getLogger(__name__)
@@ -860,9 +864,7 @@ class SnapshotPolicy(Generic[S]):
                     raise ClosedError(f"{self._topic} was closed while a snapshot was made")
                 yield part
         finally:
-            close = getattr(parts, "close", None)
-            if close is not None:
-                close()
+            close_iterator(parts)
 
     async def _take(self, timeout: float) -> SnapshotManifest:
         replica = self._replica

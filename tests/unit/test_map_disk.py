@@ -362,19 +362,30 @@ def test_the_mark_keeps_the_origin_and_a_format_1_mark_reads_without_one(tmp_pat
     old.close_store()
 
 
+def state_with_one_key(path: Path, key: str) -> DiskMapState[str, Any]:
+    """A store holding ``key`` (value 1) at mark 1."""
+    state = open_state(path)
+    state.begin(1)
+    state.apply(CODECS.put(key, 1))
+    state.commit(LogMark(1, "r1", LogPosition(1, 1)))
+    return state
+
+
+def snapshot_bytes(keys: list[str]) -> bytes:
+    """A map snapshot of ``keys``, each key's value its index."""
+    memory: MapState[str, Any] = MapState()
+    memory.load({})
+    for i, key in enumerate(keys):
+        memory.apply(CODECS.put(key, i))
+    return MapSnapshotCodec(CODECS).encode(memory)
+
+
 def test_a_snapshot_whose_chunks_fail_or_do_not_parse_leaves_the_store_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(map_disk, "_LOAD_TRANSACTION_BYTES", 50)  # fails after commits
-    state = open_state(tmp_path)
-    state.begin(1)
-    state.apply(CODECS.put("kept", 1))
-    state.commit(LogMark(1, "r1", LogPosition(1, 1)))
-    memory: MapState[str, Any] = MapState()
-    memory.load({})
-    for i in range(50):
-        memory.apply(CODECS.put(f"k{i}", i))
-    data = MapSnapshotCodec(CODECS).encode(memory)
+    state = state_with_one_key(tmp_path, "kept")
+    data = snapshot_bytes([f"k{i}" for i in range(50)])
 
     def damaged_after_most() -> Any:
         yield data[:10]
@@ -412,15 +423,8 @@ def test_reads_during_a_snapshot_load_see_the_old_content(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(map_disk, "_LOAD_TRANSACTION_BYTES", 200)  # many transactions
-    state = open_state(tmp_path)
-    state.begin(1)
-    state.apply(CODECS.put("old", 1))
-    state.commit(LogMark(1, "r1", LogPosition(1, 1)))
-    memory: MapState[str, Any] = MapState()
-    memory.load({})
-    for i in range(100):
-        memory.apply(CODECS.put(f"k{i:03d}", i))
-    data = MapSnapshotCodec(CODECS).encode(memory)
+    state = state_with_one_key(tmp_path, "old")
+    data = snapshot_bytes([f"k{i:03d}" for i in range(100)])
     seen: list[Any] = []
 
     def chunks() -> Any:
