@@ -519,7 +519,7 @@ class DiskMapState(MapState[K, V]):
         # Set by a snapshot load (a worker thread) once the store switched to the loaded
         # database; the loop's next use of the store follows it (see _settle).
         self._switched = False
-        self.entries = _DiskEntries(self)  # type: ignore[assignment]
+        self.entries = _DiskEntries(self)
         self.values = _DiskValues(self)  # type: ignore[assignment]
 
     # ------------------------------------------------------------ opening and closing

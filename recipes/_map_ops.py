@@ -9,21 +9,21 @@ from __future__ import annotations
 import copy
 import io
 import struct
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, NoReturn, TypeVar, cast
 
 import fastavro
-from sortedcontainers import SortedKeyList, SortedList
 
 from pulsar_state import IMMUTABLE_TYPES, AvroCodec, Codec, CodecError, DictOverlay
+
+from ._sorted_table import KEY_TYPES, SortedTable, key_order, sort_keys
 
 __all__ = [
     "KEY_TYPES",
     "EventKind",
     "FrozenDict",
     "FrozenList",
-    "KeyOrder",
     "MapCodecs",
     "MapEntry",
     "MapEvent",
@@ -36,6 +36,7 @@ __all__ = [
     "freeze",
     "key_order",
     "readable",
+    "sort_keys",
     "thaw",
 ]
 
@@ -44,100 +45,6 @@ V = TypeVar("V")
 
 OpKind = Literal["PUT", "DELETE", "CLEAR"]
 EventKind = Literal["put", "delete", "clear"]
-
-# Keys must be hashable and totally ordered; these three types are both, and cover what the
-# built-in codecs decode keys to (JSON keys: str or int).
-KEY_TYPES: tuple[type, ...] = (str, bytes, int)
-_KEY_RANK = {int: 0, bytes: 1, str: 2}
-
-
-def key_order(key: Any) -> tuple[int, Any]:
-    """The map's key order: ints, then bytes, then str; each by its own ``<``.
-
-    str compares by code point, which is also the order of the UTF-8 bytes; bytes compare
-    lexicographically by unsigned byte. A map normally holds one key type only.
-    """
-    return (_KEY_RANK[type(key)], key)
-
-
-def sort_keys(keys: list[K]) -> list[K]:
-    """``keys`` in the map's key order."""
-    try:
-        return sorted(keys)  # type: ignore[type-var]
-    except TypeError:  # mixed key types: rank them
-        return sorted(keys, key=key_order)
-
-
-class KeyOrder(Generic[K]):
-    """The keys of a map in key order, kept as keys come and go: O(log n) per change, so an
-    ordered read costs O(log n + k) instead of a sort of every key after each insert.
-
-    One key type (the usual case) is kept by its own ``<``; a second type switches to
-    :func:`key_order`.
-    """
-
-    __slots__ = ("_keys", "_mixed", "_type")
-
-    def __init__(self, keys: Iterable[K] = ()) -> None:
-        listed = list(keys)
-        types = {type(key) for key in listed}
-        self._type: type | None = next(iter(types)) if len(types) == 1 else None
-        self._mixed = len(types) > 1
-        self._keys: Any = (
-            SortedKeyList(listed, key=key_order) if self._mixed else SortedList(listed)
-        )
-
-    def copy(self) -> KeyOrder[K]:
-        copied: KeyOrder[K] = KeyOrder()
-        copied._type, copied._mixed, copied._keys = self._type, self._mixed, self._keys.copy()
-        return copied
-
-    def add(self, key: K) -> None:
-        if not self._mixed and type(key) is not self._type:
-            if self._type is None and not self._keys:
-                self._type = type(key)
-            else:
-                self._keys = SortedKeyList(self._keys, key=key_order)
-                self._mixed = True
-        self._keys.add(key)
-
-    def remove(self, key: K) -> None:
-        self._keys.remove(key)
-
-    def clear(self) -> None:
-        self._keys, self._type, self._mixed = SortedList(), None, False
-
-    def __iter__(self) -> Iterator[K]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def between(self, low: Any, high: Any) -> Iterator[K]:
-        """The keys with ``low <= key < high`` (None: unbounded), in key order."""
-        keys = self._keys
-        if self._mixed:
-            return iter(
-                keys.irange_key(
-                    None if low is None else key_order(low),
-                    None if high is None else key_order(high),
-                    inclusive=(True, False),
-                )
-            )
-        if self._type is None:
-            return iter(())
-        # One key type: a bound of another type falls before or after every key.
-        rank = _KEY_RANK[self._type]
-        if low is not None and type(low) is not self._type:
-            if _KEY_RANK[type(low)] > rank:
-                return iter(())
-            low = None
-        if high is not None and type(high) is not self._type:
-            if _KEY_RANK[type(high)] < rank:
-                return iter(())
-            high = None
-        return iter(keys.irange(low, high, inclusive=(True, False)))
-
 
 # Values nothing can change in place (the core's list): handed out as they are.
 _IMMUTABLE_TYPES = IMMUTABLE_TYPES
@@ -526,14 +433,16 @@ class MapOpCodec(Generic[K, V]):
 
 
 class MapState(Generic[K, V]):
-    """The replicated state: ``entries`` maps each key to an immutable :class:`MapEntry`.
+    """The replicated state: each key's (frozen) value and its :class:`MapVersion`.
 
-    ``values`` maps each key to the same (frozen) value, so that a local read is one dict
-    lookup, and ``order`` keeps the keys in key order. ``position`` is the position of the
-    record being applied (set by :meth:`begin`) and ``op_index`` the number of its ops applied
-    so far: together they stamp versions, the same on the writer's trial state and on every
-    replica. ``events`` collects the changes of the current record for watches; it is None on
-    trial states and when nobody watches.
+    ``values`` maps each key to its value, so that a local read is one dict lookup; the
+    keys, values and versions are also kept in key order in a :class:`SortedTable` (ordered
+    reads copy slices of it, and a version costs 8 bytes there, not a dict slot and an int).
+    ``entries`` is a read-only view of both as :class:`MapEntry` objects, made when asked.
+    ``position`` is the position of the record being applied (set by :meth:`begin`) and
+    ``op_index`` the number of its ops applied so far: together they stamp versions, the same
+    on the writer's trial state and on every replica. ``events`` collects the changes of the
+    current record for watches; it is None on trial states and when nobody watches.
 
     The writer's trial state is :meth:`trial`: an overlay over this state (O(1) to make,
     O(what a batch changes) to use) that never changes it.
@@ -542,35 +451,40 @@ class MapState(Generic[K, V]):
     __slots__ = ("_order", "entries", "events", "last_tag", "op_index", "position", "values")
 
     def __init__(self) -> None:
-        self.entries: MutableMapping[K, MapEntry[V]] = {}
         self.values: MutableMapping[K, V] = {}
+        self.entries: Mapping[K, MapEntry[V]] = _Entries(self)
         self.position = 0
         self.op_index = 0
         self.last_tag: bytes | None = None
         self.events: list[MapEvent[K, V]] | None = None
         # None on a trial state, which derives the order from its overlay when asked.
-        self._order: KeyOrder[K] | None = KeyOrder()
+        self._order: SortedTable[K, V] | None = SortedTable()
 
     def __eq__(self, other: object) -> bool:
         # What replicas must agree on: the entries with their versions, and the position.
         return (
             isinstance(other, MapState)
             and other.position == self.position
-            and other.entries == self.entries
+            and dict(other.entries.items()) == dict(self.entries.items())
         )
 
     __hash__ = None  # type: ignore[assignment]
 
-    def load(self, entries: dict[K, MapEntry[V]]) -> None:
-        """Replace the entries at once (decoding a snapshot)."""
-        self.entries = entries
-        self.values = {key: entry.value for key, entry in entries.items()}
-        self._order = KeyOrder(entries)
+    def version_of(self, key: K) -> int | None:
+        """``key``'s version as an int, or None when the key is not bound."""
+        assert self._order is not None
+        return self._order.version(key) if key in self.values else None
+
+    def load(self, items: list[tuple[K, V, int]]) -> None:
+        """Replace the entries at once (decoding a snapshot): (key, value, version) each."""
+        self.values = {key: value for key, value, _version in items}
+        if len(self.values) != len(items):
+            raise CodecError("a PulsarMap snapshot names a key twice")
+        self._order = SortedTable(items)
 
     def copy(self) -> MapState[K, V]:
         """An independent copy (for a snapshot, encoded in another thread). O(n)."""
         copied: MapState[K, V] = MapState()
-        copied.entries = dict(self.entries)
         copied.values = dict(self.values)
         copied.position = self.position
         copied.op_index = self.op_index
@@ -588,34 +502,34 @@ class MapState(Generic[K, V]):
         if self.events:
             self.events.clear()
 
-    def apply(self, op: MapOp[K, V]) -> None:
-        events = self.events
+    def _stamp(self, op: MapOp[K, V]) -> MapVersion:
         if op.tag is not None:
             self.last_tag = op.tag
         version = MapVersion.of(self.position, self.op_index)
         self.op_index += 1
-        entries, order = self.entries, self._order
+        return version
+
+    def apply(self, op: MapOp[K, V]) -> None:
+        events = self.events
+        version = self._stamp(op)
+        order, values = self._order, self.values
+        assert order is not None
         if op.kind == "PUT":
             key, value = cast(K, op.key), cast(V, op.value)  # set on every PUT
-            if order is not None and key not in entries:
-                order.add(key)
-            entries[key] = MapEntry(value, version)
-            self.values[key] = value
+            order.put(key, value, version)
+            values[key] = value
             if events is not None:
                 events.append(MapEvent("put", key, value, version, self.position))
         elif op.kind == "DELETE":
             key = cast(K, op.key)
-            if entries.pop(key, None) is not None:
-                del self.values[key]
-                if order is not None:
-                    order.remove(key)
+            if key in values:
+                del values[key]
+                order.remove(key)
                 if events is not None:
                     events.append(MapEvent("delete", key, None, version, self.position))
         else:
-            entries.clear()
-            self.values.clear()
-            if order is not None:
-                order.clear()
+            values.clear()
+            order.clear()
             if events is not None:
                 events.append(MapEvent("clear", None, None, version, self.position))
 
@@ -630,22 +544,63 @@ class MapState(Generic[K, V]):
         """Entries with ``low <= key < high`` (None: unbounded), in key order:
         O(log n + k)."""
         assert self._order is not None
-        values = self.values
-        return [(key, values[key]) for key in self._order.between(low, high)]
+        return self._order.items_between(low, high)
 
     def keys_between(self, low: K | None, high: K | None) -> list[K]:
         """Keys with ``low <= key < high`` (None: unbounded), in key order."""
         assert self._order is not None
-        return list(self._order.between(low, high))
+        return self._order.keys_between(low, high)
 
     def matching(self, accept: Callable[[K], bool]) -> list[tuple[K, MapEntry[V]]]:
-        entries = self.entries
-        return [(key, entries[key]) for key in self.sorted_keys() if accept(key)]
+        return [(key, entry) for key, entry in self.entries_in_order() if accept(key)]
 
     def entries_in_order(self) -> Iterable[tuple[K, MapEntry[V]]]:
         """Every (key, entry) in key order (iterate it before the state changes again)."""
-        entries = self.entries
-        return [(key, entries[key]) for key in self.sorted_keys()]
+        assert self._order is not None
+        return [
+            (key, MapEntry(value, MapVersion(version)))
+            for key, value, version in self._order.items()
+        ]
+
+
+class _Entries(Mapping[K, MapEntry[V]]):
+    """``MapState.entries``: the state's values and versions as :class:`MapEntry` objects,
+    made on each read (a lookup is a dict probe, and a bisect for the version)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: MapState[K, V]) -> None:
+        self._state = state
+
+    def get(self, key: K, default: Any = None) -> Any:
+        state = self._state
+        value = state.values.get(key, _ABSENT)
+        if value is _ABSENT:
+            return default
+        version = state.version_of(key)
+        assert version is not None
+        return MapEntry(value, MapVersion(version))
+
+    def __getitem__(self, key: K) -> MapEntry[V]:
+        entry = self.get(key)
+        if entry is None:
+            raise KeyError(key)
+        return cast(MapEntry[V], entry)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._state.values
+
+    def __len__(self) -> int:
+        return len(self._state.values)
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._state.values)
+
+    def items(self) -> Any:
+        return self._state.entries_in_order()
+
+
+_ABSENT: Any = object()
 
 
 class _TrialMapState(MapState[K, V]):
@@ -670,6 +625,25 @@ class _TrialMapState(MapState[K, V]):
 
     def trial(self) -> MapState[K, V]:
         raise AssertionError("a trial state is never the base of another trial")
+
+    def version_of(self, key: K) -> int | None:
+        entry = self.entries.get(key)
+        return None if entry is None else int(entry.version)
+
+    def apply(self, op: MapOp[K, V]) -> None:
+        version = self._stamp(op)
+        entries = cast(DictOverlay[K, MapEntry[V]], self.entries)
+        if op.kind == "PUT":
+            key, value = cast(K, op.key), cast(V, op.value)  # set on every PUT
+            entries[key] = MapEntry(value, version)
+            self.values[key] = value
+        elif op.kind == "DELETE":
+            key = cast(K, op.key)
+            if entries.pop(key, None) is not None:
+                del self.values[key]
+        else:
+            entries.clear()
+            self.values.clear()
 
     def sorted_keys(self) -> Iterable[K]:
         # O(n) merge of the live order with this batch's changes; only whole-map generators
@@ -710,6 +684,14 @@ class _TrialMapState(MapState[K, V]):
         values = self.values
         return [(key, values[key]) for key in self.keys_between(low, high)]
 
+    def matching(self, accept: Callable[[K], bool]) -> list[tuple[K, MapEntry[V]]]:
+        entries = self.entries
+        return [(key, entries[key]) for key in self.sorted_keys() if accept(key)]
+
+    def entries_in_order(self) -> Iterable[tuple[K, MapEntry[V]]]:
+        entries = self.entries
+        return [(key, entries[key]) for key in self.sorted_keys()]
+
 
 _SNAPSHOT_MAGIC = b"PSMAP\x01"
 _SNAPSHOT_HEAD = struct.Struct(">qI")  # the state's position, the number of entries
@@ -725,7 +707,7 @@ class MapSnapshotCodec(Generic[K, V]):
 
     def encode(self, state: MapState[K, V], /) -> bytes:
         codecs = self._codecs
-        items = sorted((codecs.key_bytes(key), entry) for key, entry in state.entries.items())
+        items = sorted((codecs.key_bytes(key), entry) for key, entry in state.entries_in_order())
         parts = [_SNAPSHOT_MAGIC, _SNAPSHOT_HEAD.pack(state.position, len(items))]
         for key_bytes, entry in items:
             value_bytes = _encode(codecs.values, entry.value, "value")
@@ -740,7 +722,7 @@ class MapSnapshotCodec(Generic[K, V]):
         if not data.startswith(_SNAPSHOT_MAGIC):
             raise CodecError("not a PulsarMap snapshot")
         state: MapState[K, V] = MapState()
-        entries: dict[K, MapEntry[V]] = {}
+        items: list[tuple[K, V, int]] = []
         try:
             offset = len(_SNAPSHOT_MAGIC)
             state.position, count = _SNAPSHOT_HEAD.unpack_from(data, offset)
@@ -752,10 +734,10 @@ class MapSnapshotCodec(Generic[K, V]):
                 offset += key_len
                 value = self._codecs.decode_value(data[offset : offset + value_len])
                 offset += value_len
-                entries[key] = MapEntry(value, MapVersion(version))
+                items.append((key, value, version))
         except struct.error as exc:
             raise CodecError(f"damaged PulsarMap snapshot: {exc}") from exc
         if offset != len(data):
             raise CodecError("damaged PulsarMap snapshot: bytes left over")
-        state.load(entries)
+        state.load(items)
         return state

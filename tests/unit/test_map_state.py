@@ -14,13 +14,11 @@ from hypothesis import strategies as st
 from pulsar_state import JsonCodec, StrCodec
 from recipes import FrozenDict, FrozenList, thaw
 from recipes._map_ops import (
-    KeyOrder,
     MapCodecs,
     MapOp,
     MapSnapshotCodec,
     MapState,
     freeze,
-    key_order,
     readable,
 )
 
@@ -95,44 +93,6 @@ def test_key_order_follows_inserts_deletes_and_clears(history: list[list[MapOp[s
             if (low is None or key >= low) and (high is None or key < high)
         ]
         assert state.items_between(low, high) == expected
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    script=st.lists(
-        st.tuples(
-            st.booleans(),
-            st.one_of(st.integers(-5, 5), st.text("ab", max_size=2), st.binary(max_size=2)),
-        ),
-        max_size=30,
-    ),
-    low=st.one_of(st.none(), st.integers(-5, 5), st.text("ab", max_size=2), st.binary(max_size=2)),
-    high=st.one_of(st.none(), st.integers(-5, 5), st.text("ab", max_size=2), st.binary(max_size=2)),
-)
-def test_key_order_with_mixed_types_and_bounds_of_any_type(
-    script: list[tuple[bool, Any]], low: Any, high: Any
-) -> None:
-    order: KeyOrder[Any] = KeyOrder()
-    present: set[Any] = set()
-    for add, key in script:
-        if add and key not in present:
-            order.add(key)
-            present.add(key)
-        elif not add and key in present:
-            order.remove(key)
-            present.discard(key)
-    expected = sorted(present, key=key_order)
-    assert list(order) == expected
-    assert len(order) == len(expected)
-    in_range = [
-        key
-        for key in expected
-        if (low is None or key_order(key) >= key_order(low))
-        and (high is None or key_order(key) < key_order(high))
-    ]
-    assert list(order.between(low, high)) == in_range
-    assert list(KeyOrder(present)) == expected
-    assert list(order.copy()) == expected
 
 
 def test_snapshot_round_trip_keeps_order_and_values() -> None:
