@@ -564,9 +564,11 @@ class StateReader:
 
     _POLL_MS = 100
     _BATCH = 1000
-    # Also cut by bytes: queued batches of big messages (snapshot chunks, records of
-    # megabytes) would otherwise hold gigabytes ahead of the consumer.
-    _BATCH_BYTES = 4 * 1024 * 1024
+    # Also cut by bytes, and the bytes handed over but not yet taken are bounded: batches of
+    # big messages (snapshot chunks, records of megabytes) would otherwise hold hundreds of
+    # megabytes ahead of a replaying replica (its peak memory).
+    _BATCH_BYTES = 2 * 1024 * 1024
+    _QUEUED_BYTES = 8 * 1024 * 1024
 
     def __init__(self, reader: Any, topic: str) -> None:
         self._async_reader = reader
@@ -574,8 +576,9 @@ class StateReader:
         self._topic = topic
         self._pid = os.getpid()
         self._loop = asyncio.get_running_loop()
-        # 8 batches: at most 32 MB of big messages handed over ahead of the loop.
-        self._batches: queue.Queue[list[RawMessage]] = queue.Queue(maxsize=8)
+        self._batches: queue.Queue[tuple[list[RawMessage], int]] = queue.Queue(maxsize=8)
+        self._queued_bytes = 0
+        self._room = threading.Condition()
         self._ready = asyncio.Event()
         self._pending: deque[RawMessage] = deque()
         self._error: BaseException | None = None
@@ -594,7 +597,7 @@ class StateReader:
                 msg = self._reader.read_next(0 if batch else self._POLL_MS)
             except pulsar_exceptions.Timeout:
                 if batch:
-                    self._hand_over(batch)
+                    self._hand_over(batch, batch_bytes)
                     batch, batch_bytes = [], 0
                 continue
             except Exception as exc:
@@ -608,13 +611,21 @@ class StateReader:
             batch.append(RawMessage(data, LogPosition(mid.ledger_id(), mid.entry_id())))
             batch_bytes += len(data)
             if len(batch) >= self._BATCH or batch_bytes >= self._BATCH_BYTES:
-                self._hand_over(batch)
+                self._hand_over(batch, batch_bytes)
                 batch, batch_bytes = [], 0
 
-    def _hand_over(self, batch: list[RawMessage]) -> None:
+    def _hand_over(self, batch: list[RawMessage], size: int) -> None:
+        with self._room:  # bounded by bytes: waits while the loop catches up
+            while (
+                self._queued_bytes
+                and self._queued_bytes + size > self._QUEUED_BYTES
+                and not self._stop.is_set()
+            ):
+                self._room.wait(0.1)
+            self._queued_bytes += size
         while not self._stop.is_set():
             try:
-                self._batches.put(batch, timeout=0.1)  # bounded: waits while the loop catches up
+                self._batches.put((batch, size), timeout=0.1)  # and by count
                 break
             except queue.Full:
                 continue
@@ -630,7 +641,7 @@ class StateReader:
             return batch
         while True:
             try:
-                return self._batches.get_nowait()
+                return self._taken(self._batches.get_nowait())
             except queue.Empty:
                 pass
             if self._error is not None:
@@ -639,9 +650,16 @@ class StateReader:
                 raise ClosedError(f"reader on {self._topic} is closed")
             self._ready.clear()
             try:  # a batch may have arrived between the check and the clear
-                return self._batches.get_nowait()
+                return self._taken(self._batches.get_nowait())
             except queue.Empty:
                 await self._ready.wait()
+
+    def _taken(self, handed: tuple[list[RawMessage], int]) -> list[RawMessage]:
+        batch, size = handed
+        with self._room:
+            self._queued_bytes -= size
+            self._room.notify()
+        return batch
 
     def abandon(self, reason: str) -> None:
         """Make the next read fail (after what was read already), so that the replica

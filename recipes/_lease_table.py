@@ -19,7 +19,6 @@ from one counter, so tokens strictly increase per resource (and overall).
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
@@ -148,9 +147,21 @@ class LeaseTable:
         """The earliest ``expires_at`` of any lease (held or waiting), or None."""
         return min((lease.expires_at for lease in self.leases.values()), default=None)
 
+    def copy(self) -> LeaseTable:
+        """An independent copy: the writer's trial state and a snapshot's. Leases and events
+        are immutable, so only the containers are copied (a deep copy cost ~0.2 ms a write)."""
+        return LeaseTable(
+            self.clock,
+            self.last_token,
+            self.position,
+            dict(self.leases),
+            {name: list(ids) for name, ids in self.holders.items()},
+            list(self.events),
+        )
+
     def simulate(self, op: dict[str, Any]) -> LeaseTable:
         """A copy of this table with ``op`` applied (how a generator predicts an outcome)."""
-        trial = copy.deepcopy(self)
+        trial = self.copy()
         trial.events = []
         LeaseTable.apply(trial, op)
         return trial

@@ -134,6 +134,7 @@ class Ownership:
             initial_state=LeaseTable,
             apply=LeaseTable.apply,
             begin_record=LeaseTable.begin,
+            copy_state=LeaseTable.copy,
             **manager_options,
         )
         self._pending: dict[str, asyncio.Future[Lease]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 from typing import Any
@@ -128,6 +129,30 @@ def test_same_ops_same_table_on_every_replica() -> None:
                     assert event.lease.token > last_token.get(name, 0)
                     last_token[name] = event.lease.token
     assert sum(1 for _ in itertools.chain(last_token)) == 4
+
+
+def test_a_copy_shares_nothing_that_applying_ops_changes() -> None:
+    """The writer's trial state and snapshots are ``LeaseTable.copy`` (not a deep copy):
+    applying any ops to a copy must leave the original exactly as it was."""
+    rng = random.Random(11)
+    table = Table()
+    for i in range(30):
+        names = rng.sample(["a", "b", "c"], rng.randint(1, 2))
+        table.acquire(f"l{i}", names, rng.choice(["read", "write"]), now=i, ttl=50)
+        if rng.random() < 0.4:
+            table.record({"op": "release", "id": f"l{rng.randrange(i + 1)}", "now": i})
+    before = copy.deepcopy(table.state)
+    trial = table.state.copy()
+    assert trial == table.state
+    LeaseTable.begin(trial, table.position + 1)
+    for i in range(30):
+        LeaseTable.apply(trial, {"op": "release", "id": f"l{i}", "now": 40})
+    LeaseTable.apply(trial, {"op": "tick", "now": 1000})
+    assert not trial.leases
+    assert not trial.holders
+    assert table.state == before
+    assert table.state.simulate({"op": "tick", "now": 1000}).leases == {}
+    assert table.state == before
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,44 @@
+"""A replica's reader holds a bounded number of bytes ahead of a slow event loop.
+
+Measured before the bound: batches were cut at 4 MB and 8 of them could wait, so a replica
+replaying records of megabytes held 32 MB or more of them in Python on top of the client's
+own prefetch (a 1M-key map replayed from 3 MB records peaked 10 MB higher)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pulsar_state._pulsar import PulsarConnection, StateReader
+
+MB = 1024 * 1024
+BOUND = 8 * MB
+
+
+def bytes_handed_over(reader: StateReader) -> int:
+    # Queue items are (batch, bytes); whatever the thread is still holding is not counted,
+    # it is at most one batch.
+    return sum(
+        sum(len(message.payload) for message in item[0]) for item in list(reader._batches.queue)
+    )
+
+
+async def test_a_reader_hands_over_a_bounded_number_of_bytes_and_loses_none(
+    service_url: str, topic: str
+) -> None:
+    conn = PulsarConnection(service_url)
+    try:
+        writer = await conn.create_writer(topic, fencing=False, send_timeout_s=30)
+        for i in range(40):  # 40 MB
+            await writer.send(bytes([i]) * MB, key="k")
+        await writer.close()
+        reader = await conn.create_reader(topic, prefetch=16)
+        await asyncio.sleep(2)  # nobody reads: the reader thread goes as far as it may
+        assert 0 < bytes_handed_over(reader) <= BOUND
+        received = []
+        while len(received) < 40:
+            received += [message.payload for message in await reader.read_batch()]
+            assert bytes_handed_over(reader) <= BOUND
+        assert received == [bytes([i]) * MB for i in range(40)]
+        await reader.close()
+    finally:
+        await conn.close()
