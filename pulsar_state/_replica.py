@@ -552,6 +552,11 @@ class Replica(Generic[S, Op]):
         what = f"capturing the tail of {self._context.topic}"
         target = await retry_transient(tail, deadline=deadline, what=what)
         behind_from, started = self._stats.records_read, time.perf_counter()
+        if target is None or self.reached(target):
+            # Already there (a latest read on a quiet topic): no watch, no timer.
+            self.check_running()
+            self._stats.tail_lag_records, self._stats.tail_lag_seconds = 0, 0.0
+            return self.version
         try:
             async with asyncio.timeout_at(deadline):
                 await self._wait_log_watched(target)

@@ -46,6 +46,20 @@ async def retry_transient(call: Callable[[], Awaitable[T]], *, deadline: float, 
     and :class:`OperationTimeoutError` (retriable) names the last transient failure.
     """
     last: list[BaseException] = []
+    # The first attempt without the retry machinery (most calls succeed at once: a latest
+    # read makes two of them, and tenacity's bookkeeping cost more than the call).
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await call()
+    except TimeoutError as exc:
+        if isinstance(exc, PulsarStateError):
+            raise
+        raise OperationTimeoutError(f"{what} did not succeed in time") from exc
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        logger.info("%s failed (%s); retrying until the deadline", what, exc)
+        last.append(exc)
 
     def remember(state: RetryCallState) -> None:
         failed = state.outcome.exception() if state.outcome is not None else None
