@@ -66,6 +66,8 @@ class ReadSide(Protocol):
 
     async def wait_log(self, target: LogPosition | None) -> None: ...
 
+    def reached(self, target: LogPosition | None) -> bool: ...
+
     def apply_own(self, payload: bytes, record: Record, at: LogPosition) -> None: ...
 
     def halt_with(self, error: PulsarStateError, cause: BaseException | None = None) -> None: ...
@@ -284,10 +286,16 @@ class Writer:
         if not records:
             return
         pending.launch(records)
-        # Pipelined: all sends are issued in order before any is awaited.
-        sends = [
-            asyncio.ensure_future(producer.send(o.payload, key=o.record.record_id)) for o in records
-        ]
+        # Pipelined: all sends are issued in order before any is awaited (a lone record is
+        # awaited as it is: no task, one loop turn less per write).
+        sends: list[Awaitable[LogPosition]] = (
+            [producer.send(records[0].payload, key=records[0].record.record_id)]
+            if len(records) == 1
+            else [
+                asyncio.ensure_future(producer.send(o.payload, key=o.record.record_id))
+                for o in records
+            ]
+        )
         acked: list[LogPosition] = []
         failures: list[BaseException] = []
         for outgoing, send in zip(records, sends, strict=True):
@@ -301,9 +309,15 @@ class Writer:
         self._stats.records_sent += len(records)
         read_back: OperationTimeoutError | None = None
         if acked:
-            # Every acked record is settled (accepted or ignored) once the pump passes it.
+            # Every acked record is settled (accepted or ignored) once the pump passes it;
+            # our own record, applied on its ack, usually is already (then no timer).
             try:
-                await self._bounded(replica.wait_log(max(acked)), "reading back the records sent")
+                if replica.reached(max(acked)):
+                    await replica.wait_log(max(acked))  # returns at once (or the halt)
+                else:
+                    await self._bounded(
+                        replica.wait_log(max(acked)), "reading back the records sent"
+                    )
             except OperationTimeoutError as exc:
                 read_back = exc  # the failed sends still need their retry first
         if failures:
