@@ -45,18 +45,29 @@ async def _preload(m: PulsarMap[str, Any], size: int) -> None:
 
 
 class _LoopLag:
-    """The longest the event loop went without running a 1 ms ticker (blocking work)."""
+    """The longest the event loop went without running a 1 ms ticker.
+
+    ``worst_s`` is wall time, so it also counts the moments the OS ran something else (the
+    broker shares the machine's cores). ``worst_busy_s`` counts only the CPU time the loop's
+    thread spent within such a lag: the loop blocked by work of its own (a write's trial
+    run, an apply), which is what the issue's 2 ms bound is about.
+    """
 
     def __init__(self) -> None:
         self.worst_s = 0.0
+        self.worst_busy_s = 0.0
         self._task: asyncio.Task[None] | None = None
 
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            before = loop.time()
+            before, cpu_before = loop.time(), time.thread_time()
             await asyncio.sleep(0.001)
-            self.worst_s = max(self.worst_s, loop.time() - before - 0.001)
+            lag = loop.time() - before - 0.001
+            self.worst_s = max(self.worst_s, lag)
+            if lag > 0:
+                busy = time.thread_time() - cpu_before - 0.0001  # the tick's own cost
+                self.worst_busy_s = max(self.worst_busy_s, min(lag, busy))
 
     def __enter__(self) -> _LoopLag:
         self._task = asyncio.get_running_loop().create_task(self._tick())
@@ -112,6 +123,7 @@ async def _measure_size(broker: Broker, size: int, puts: int) -> dict[str, Any]:
         "range100_p99_ms": _percentile(range_latencies, 0.99) * 1000,
         "list_keys_ms": list_keys_s * 1000,
         "worst_loop_lag_ms": lag.worst_s * 1000,
+        "worst_loop_busy_ms": lag.worst_busy_s * 1000,
     }
 
 
@@ -207,6 +219,22 @@ async def map_scale(broker: Broker, quick: bool, Metric: Any) -> list[Any]:
             "<= 1.5x",
             big["range100_p50_ms"] <= 1.5 * small["range100_p50_ms"],
             note=f"list_keys of all {big['size']:,} keys: {big['list_keys_ms']:.0f} ms",
+        )
+    )
+    busy = max(measured["worst_loop_busy_ms"] for measured in results)
+    wall = ", ".join(f"{m['worst_loop_lag_ms']:.1f}" for m in results)
+    metrics.append(
+        Metric(
+            "event loop blocked by its own work during puts, worst (ms, all sizes)",
+            "ms",
+            busy,
+            2.0,
+            "<= 2 ms",
+            busy <= 2.0,
+            note=(
+                f"the loop thread's CPU time within its worst lag; wall-clock lags per size "
+                f"(including time the OS ran other processes): {wall} ms"
+            ),
         )
     )
     keys, peak_mb = _replica_peak_rss_mb(broker, big["topic"])
