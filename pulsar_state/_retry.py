@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -31,7 +32,13 @@ T = TypeVar("T")
 # From a few milliseconds (a topic being loaded) up to a second (a broker restarting): a
 # process started during an outage notices the broker's return within about a second.
 # (wait_exponential_jitter's arguments changed between tenacity 8.2 and 9: composed instead.)
-backoff = wait_exponential(multiplier=0.05, max=1.0) + wait_random(0, 0.1)
+_FIRST_WAIT_S, _MAX_WAIT_S, _JITTER_S = 0.05, 1.0, 0.1
+backoff = wait_exponential(multiplier=_FIRST_WAIT_S, max=_MAX_WAIT_S) + wait_random(0, _JITTER_S)
+
+
+def _pause_after_first() -> float:
+    """``backoff``'s wait after a first attempt (the fast path's, outside tenacity)."""
+    return _FIRST_WAIT_S + random.uniform(0, _JITTER_S)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -48,15 +55,14 @@ async def retry_transient(call: Callable[[], Awaitable[T]], *, deadline: float, 
     last: list[BaseException] = []
     # The first attempt without the retry machinery (most calls succeed at once: a latest
     # read makes two of them, and tenacity's bookkeeping cost more than the call).
+    timeout = asyncio.timeout_at(deadline)
     try:
-        async with asyncio.timeout_at(deadline):
+        async with timeout:
             return await call()
-    except TimeoutError as exc:
-        if isinstance(exc, PulsarStateError):
-            raise
-        raise OperationTimeoutError(f"{what} did not succeed in time") from exc
     except Exception as exc:
-        if not is_transient(exc):
+        if timeout.expired():
+            raise OperationTimeoutError(f"{what} did not succeed in time") from exc
+        if not is_transient(exc):  # (a retriable time-out of the call's own is retried)
             raise
         logger.info("%s failed (%s); retrying until the deadline", what, exc)
         last.append(exc)
@@ -70,6 +76,7 @@ async def retry_transient(call: Callable[[], Awaitable[T]], *, deadline: float, 
 
     try:
         async with asyncio.timeout_at(deadline):
+            await asyncio.sleep(_pause_after_first())  # as tenacity waits between attempts
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(is_transient),
                 wait=backoff,

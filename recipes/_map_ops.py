@@ -17,7 +17,7 @@ import fastavro
 
 from pulsar_state import IMMUTABLE_TYPES, AvroCodec, Codec, CodecError, DictOverlay
 
-from ._sorted_table import KEY_TYPES, SortedTable, key_order, sort_keys
+from ._sorted_table import KEY_TYPES, SortedTable, exact_key, key_order, sort_keys
 
 __all__ = [
     "KEY_TYPES",
@@ -234,7 +234,9 @@ class MapVersion(int):
 
     @classmethod
     def of(cls, position: int, index: int) -> MapVersion:
-        if position < 0 or not 0 <= index < 1 << _INDEX_BITS:
+        # A version is a signed 64-bit int (snapshots and the sorted table store it so):
+        # 2**31 records, refused alike on the writer's trial state and on every replica.
+        if not 0 <= position < 1 << (63 - _INDEX_BITS) or not 0 <= index < 1 << _INDEX_BITS:
             raise ValueError(f"no version at position {position}, index {index}")
         return cls((position << _INDEX_BITS) | index)
 
@@ -448,11 +450,11 @@ class MapState(Generic[K, V]):
     O(what a batch changes) to use) that never changes it.
     """
 
-    __slots__ = ("_order", "entries", "events", "last_tag", "op_index", "position", "values")
+    __slots__ = ("_order", "_own_entries", "events", "last_tag", "op_index", "position", "values")
 
     def __init__(self) -> None:
         self.values: MutableMapping[K, V] = {}
-        self.entries: Mapping[K, MapEntry[V]] = _Entries(self)
+        self._own_entries: Mapping[K, MapEntry[V]] | None = None
         self.position = 0
         self.op_index = 0
         self.last_tag: bytes | None = None
@@ -470,10 +472,34 @@ class MapState(Generic[K, V]):
 
     __hash__ = None  # type: ignore[assignment]
 
+    @property
+    def entries(self) -> Mapping[K, MapEntry[V]]:
+        """Each key's :class:`MapEntry` (value and version), read-only. A view made per
+        access: held by the state, it would tie the two in a reference cycle, and a state
+        dropped (a snapshot's copy) would wait for the cyclic collector."""
+        own = self._own_entries
+        return _Entries(self) if own is None else own
+
+    @entries.setter
+    def entries(self, entries: Mapping[K, MapEntry[V]]) -> None:
+        self._own_entries = entries  # a trial's overlay, a disk state's store view
+
     def version_of(self, key: K) -> int | None:
-        """``key``'s version as an int, or None when the key is not bound."""
-        assert self._order is not None
-        return self._order.version(key) if key in self.values else None
+        """``key``'s version as an int, or None when the key is not bound. A key equal to a
+        bound one but of another type (a str enum, True for 1) finds that one's version."""
+        order = self._order
+        assert order is not None
+        if key not in self.values:
+            return None
+        version = order.version(key)
+        if version is None:
+            version = order.version(exact_key(key))
+        if version is None:
+            raise TypeError(
+                f"key {key!r} ({type(key).__name__}) equals a key of the map but is not "
+                "a str, bytes or int: look it up by the key's own type"
+            )
+        return version
 
     def load(self, items: list[tuple[K, V, int]]) -> None:
         """Replace the entries at once (decoding a snapshot): (key, value, version) each."""
@@ -552,7 +578,12 @@ class MapState(Generic[K, V]):
         return self._order.keys_between(low, high)
 
     def matching(self, accept: Callable[[K], bool]) -> list[tuple[K, MapEntry[V]]]:
-        return [(key, entry) for key, entry in self.entries_in_order() if accept(key)]
+        assert self._order is not None
+        return [
+            (key, MapEntry(value, MapVersion(version)))
+            for key, value, version in self._order.items()
+            if accept(key)
+        ]
 
     def entries_in_order(self) -> Iterable[tuple[K, MapEntry[V]]]:
         """Every (key, entry) in key order (iterate it before the state changes again)."""
@@ -578,7 +609,7 @@ class _Entries(Mapping[K, MapEntry[V]]):
         if value is _ABSENT:
             return default
         version = state.version_of(key)
-        assert version is not None
+        assert version is not None  # bound: version_of finds it or raises
         return MapEntry(value, MapVersion(version))
 
     def __getitem__(self, key: K) -> MapEntry[V]:
@@ -594,7 +625,8 @@ class _Entries(Mapping[K, MapEntry[V]]):
         return len(self._state.values)
 
     def __iter__(self) -> Iterator[K]:
-        return iter(self._state.values)
+        # Key order, like items(): keys(), values() and items() agree.
+        return iter(self._state.sorted_keys())
 
     def items(self) -> Any:
         return self._state.entries_in_order()

@@ -11,6 +11,7 @@ change and per lookup, O(log n + k) per range.
 
 from __future__ import annotations
 
+import operator
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
@@ -34,6 +35,25 @@ def key_order(key: Any) -> tuple[int, Any]:
     lexicographically by unsigned byte. A map normally holds one key type only.
     """
     return (_KEY_RANK[type(key)], key)
+
+
+def exact_key(key: Any) -> Any:
+    """``key`` as one of the key types (str, bytes, int) when it is an instance of one of
+    them or an integral number (a str enum member, True, an IntEnum, a numpy integer, 2.0):
+    equal to it, with the same hash, so it names the same key. Otherwise ``key`` itself."""
+    if type(key) in _KEY_RANK:
+        return key
+    if isinstance(key, str):
+        return str.__str__(key)
+    if isinstance(key, bytes):
+        return bytes(key)
+    try:
+        return operator.index(key)
+    except TypeError:
+        pass
+    if isinstance(key, float) and key.is_integer():
+        return int(key)
+    return key
 
 
 def sort_keys(keys: list[K]) -> list[K]:
@@ -117,7 +137,9 @@ class SortedTable(Generic[K, V]):
         return run, index, index < len(keys) and self._rank(keys[index]) == rank
 
     def _comparable(self, key: Any) -> bool:
-        return self._order is not None or type(key) is self._type
+        if self._order is None:
+            return type(key) is self._type
+        return type(key) in _KEY_RANK
 
     # ------------------------------------------------------------------ changes
 
@@ -126,16 +148,16 @@ class SortedTable(Generic[K, V]):
         self._admit(key)
         run, index, found = self._locate(key)
         if found:
-            self._values[run][index] = value
             self._versions[run][index] = version
+            self._values[run][index] = value
             return False
         if not self._keys:
             self._append_run([key], [value], array("q", [version]))
             return True
         keys = self._keys[run]
+        self._versions[run].insert(index, version)  # first: the one that can fail (range)
         keys.insert(index, key)
         self._values[run].insert(index, value)
-        self._versions[run].insert(index, version)
         self._len += 1
         if index == len(keys) - 1:
             self._maxes[run] = self._rank(key)

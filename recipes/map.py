@@ -580,12 +580,12 @@ class PulsarMap(Generic[K, V]):
     def values(self) -> list[V]:
         """The local values, in key order (a snapshot)."""
         self._check_usable()
-        return [readable(entry.value) for _key, entry in self._state.entries_in_order()]
+        return [readable(value) for _key, value in self._state.items_between(None, None)]
 
     def items(self) -> list[tuple[K, V]]:
         """The local entries, in key order (a snapshot)."""
         self._check_usable()
-        return [(key, readable(entry.value)) for key, entry in self._state.entries_in_order()]
+        return [(key, readable(value)) for key, value in self._state.items_between(None, None)]
 
     @overload
     def get_local(self, key: K, /) -> V | None: ...

@@ -48,12 +48,12 @@ async def test_a_reader_hands_over_a_bounded_number_of_bytes_and_loses_none(
         await conn.close()
 
 
-async def test_a_replaying_reader_gives_freed_memory_back_every_few_megabytes(
+async def test_a_replaying_reader_gives_freed_memory_back(
     service_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """glibc keeps the freed buffers of a long replay: the reader trims the heap as it goes
     (measured: a 1M-key map replayed from 3 MB records peaked at 4.17x its raw data without,
-    2.91x with a trim every 4 MB)."""
+    2.9x with). How often is TrimPolicy's business (tests/unit/test_memory.py)."""
     assert release_free_memory()  # glibc here: the trim is available
     trims = []
     monkeypatch.setattr(pulsar_state._pulsar, "release_free_memory", lambda: trims.append(1))
@@ -70,4 +70,4 @@ async def test_a_replaying_reader_gives_freed_memory_back_every_few_megabytes(
         await reader.close()
     finally:
         await conn.close()
-    assert len(trims) >= 4
+    assert trims

@@ -4,7 +4,10 @@ right through inserts and deletes, and values are frozen."""
 from __future__ import annotations
 
 import copy
+import enum
+import gc
 import pickle
+import weakref
 from typing import Any
 
 import pytest
@@ -169,3 +172,69 @@ def test_codecs_report_the_first_value_that_cannot_be_frozen() -> None:
     codecs.put("b", Box([2]))
     assert not codecs.all_frozen
     assert calls == [True]
+
+
+class Color(str, enum.Enum):  # noqa: UP042  (the classic str enum, not StrEnum)
+    RED = "red"
+
+
+class Level(enum.IntEnum):
+    ONE = 1
+
+
+def test_a_key_equal_to_a_bound_one_but_of_another_type_reads_its_entry() -> None:
+    """Found by review: the values dict matched a str enum member (or True for 1) but the
+    sorted table did not, and reading its version raised."""
+    state: MapState[Any, Any] = MapState()
+    state.begin(1)
+    state.apply(CODECS.put("red", 1))
+    state.apply(MapOp("PUT", 1, "one", b"1", b'"one"'))  # a mixed map: str and int keys
+    expected_red, expected_one = state.entries.get("red"), state.entries.get(1)
+    assert expected_red is not None
+    assert expected_one is not None
+    assert state.entries.get(Color.RED) == expected_red
+    assert state.entries[Color.RED] == expected_red
+    assert state.entries.get(True) == state.entries.get(Level.ONE) == expected_one
+    assert state.entries.get(1.0) == expected_one
+    trial = state.trial()
+    assert trial.entries.get(Color.RED) == expected_red
+    single: MapState[str, Any] = MapState()
+    single.begin(1)
+    single.apply(CODECS.put("red", 1))
+    assert single.entries.get(Color.RED) == single.entries.get("red")
+    assert single.entries.get(Color.RED, "absent") != "absent"
+    assert single.entries.get(b"red", "absent") == "absent"
+
+
+class Sentinel:
+    """A value that tells when it is freed."""
+
+
+def test_a_dropped_state_is_freed_at_once_not_by_the_cycle_collector() -> None:
+    """Found by review: a state holding a view of itself was a reference cycle, so a
+    snapshot's copy of a big map stayed in memory until the cyclic collector ran."""
+    state: MapState[str, Any] = MapState()
+    value = Sentinel()
+    freed = weakref.ref(value)
+    state.begin(1)
+    state.apply(MapOp("PUT", "k", value, b"k", b"v"))
+    del value
+    copied = state.copy()
+    assert copied.entries.get("k") is not None
+    gc.disable()
+    try:
+        del state, copied
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
+def test_versions_past_two_to_the_31_records_are_refused_on_trial_and_replica_alike() -> None:
+    live: MapState[str, Any] = MapState()
+    trial = live.trial()
+    for state in (live, trial):
+        state.begin(1 << 31)
+        with pytest.raises(ValueError, match="no version at position"):
+            state.apply(CODECS.put("k", 1))
+    assert len(live.entries) == 0
+    assert list(live.sorted_keys()) == []

@@ -64,3 +64,22 @@ async def test_a_first_attempt_that_hangs_past_the_deadline_times_out() -> None:
 
     with pytest.raises(OperationTimeoutError, match="did not succeed in time"):
         await retry_transient(hang, deadline=deadline_in(0.2), what="x")
+
+
+async def test_a_retriable_time_out_of_the_first_attempt_is_retried() -> None:
+    call = Calls(OperationTimeoutError("the broker did not answer in 10 s"), "tail")
+    assert await retry_transient(call, deadline=deadline_in(10), what="x") == "tail"
+    assert call.count == 2
+
+
+async def test_the_second_attempt_waits_the_backoff() -> None:
+    times: list[float] = []
+
+    async def flaky() -> str:
+        times.append(asyncio.get_running_loop().time())
+        if len(times) == 1:
+            raise BrokerUnavailableError("down")
+        return "tail"
+
+    assert await retry_transient(flaky, deadline=deadline_in(10), what="x") == "tail"
+    assert times[1] - times[0] >= 0.05  # not at once: a broker restarting gets a moment
