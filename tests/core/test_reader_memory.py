@@ -26,15 +26,20 @@ def bytes_handed_over(reader: StateReader) -> int:
     )
 
 
+async def write_megabytes(conn: PulsarConnection, topic: str, count: int) -> None:
+    """``count`` messages of 1 MB, message i made of byte i."""
+    writer = await conn.create_writer(topic, fencing=False, send_timeout_s=30)
+    for i in range(count):
+        await writer.send(bytes([i]) * MB, key="k")
+    await writer.close()
+
+
 async def test_a_reader_hands_over_a_bounded_number_of_bytes_and_loses_none(
     service_url: str, topic: str
 ) -> None:
     conn = PulsarConnection(service_url)
     try:
-        writer = await conn.create_writer(topic, fencing=False, send_timeout_s=30)
-        for i in range(40):  # 40 MB
-            await writer.send(bytes([i]) * MB, key="k")
-        await writer.close()
+        await write_megabytes(conn, topic, 40)
         reader = await conn.create_reader(topic, prefetch=16)
         await asyncio.sleep(2)  # nobody reads: the reader thread goes as far as it may
         assert 0 < bytes_handed_over(reader) <= BOUND
@@ -59,10 +64,7 @@ async def test_a_replaying_reader_gives_freed_memory_back(
     monkeypatch.setattr(pulsar_state._pulsar, "release_free_memory", lambda: trims.append(1))
     conn = PulsarConnection(service_url)
     try:
-        writer = await conn.create_writer(topic, fencing=False, send_timeout_s=30)
-        for i in range(20):  # 20 MB
-            await writer.send(bytes([i]) * MB, key="k")
-        await writer.close()
+        await write_megabytes(conn, topic, 20)
         reader = await conn.create_reader(topic, prefetch=16)
         received = 0
         while received < 20:
