@@ -15,13 +15,10 @@ buffers glibc keeps), and spaces trims by at least 20 times the last one's durat
 from __future__ import annotations
 
 import ctypes
-import logging
 import time
 from collections.abc import Callable
 
 __all__ = ["TrimPolicy", "release_free_memory"]
-
-logger = logging.getLogger("pulsar_state")
 
 
 def _find_malloc_trim() -> Callable[[int], int] | None:
