@@ -519,7 +519,6 @@ class DiskMapState(MapState[K, V]):
         # Set by a snapshot load (a worker thread) once the store switched to the loaded
         # database; the loop's next use of the store follows it (see _settle).
         self._switched = False
-        self.entries = _DiskEntries(self)
         self.values = _DiskValues(self)  # type: ignore[assignment]
 
     # ------------------------------------------------------------ opening and closing
@@ -902,37 +901,6 @@ class _DiskTrialMapState(_TrialMapState[K, V]):
         if op.key is not None:
             check_key(op.key)
         super().apply(op)
-
-
-class _DiskEntries(Mapping[K, MapEntry[V]]):
-    """``state.entries`` of a disk state: a read-only mapping (apply changes the state)."""
-
-    __slots__ = ("_state",)
-
-    def __init__(self, state: DiskMapState[K, V]) -> None:
-        self._state = state
-
-    def get(self, key: K, default: Any = None) -> Any:
-        found = self._state.lookup(key)
-        return default if found is None else found
-
-    def __getitem__(self, key: K) -> MapEntry[V]:
-        found = self._state.lookup(key)
-        if found is None:
-            raise KeyError(key)
-        return found
-
-    def __contains__(self, key: object) -> bool:
-        return self._state.exists(cast(K, key))
-
-    def __len__(self) -> int:
-        return self._state.count()
-
-    def __iter__(self) -> Iterator[K]:
-        return iter(self._state.sorted_keys())
-
-    def items(self) -> Any:
-        return self._state.entries_in_order()
 
 
 class _DiskValues(Mapping[K, V]):

@@ -482,7 +482,22 @@ class MapState(Generic[K, V]):
 
     @entries.setter
     def entries(self, entries: Mapping[K, MapEntry[V]]) -> None:
-        self._own_entries = entries  # a trial's overlay, a disk state's store view
+        self._own_entries = entries  # a trial's overlay
+
+    def lookup(self, key: K) -> MapEntry[V] | None:
+        """``key``'s entry (made now), or None when the key is not bound."""
+        value = self.values.get(key, _ABSENT)
+        if value is _ABSENT:
+            return None
+        version = self.version_of(key)
+        assert version is not None  # bound: version_of finds it or raises
+        return MapEntry(value, MapVersion(version))
+
+    def exists(self, key: K) -> bool:
+        return key in self.values
+
+    def count(self) -> int:
+        return len(self.values)
 
     def version_of(self, key: K) -> int | None:
         """``key``'s version as an int, or None when the key is not bound. A key equal to a
@@ -595,8 +610,8 @@ class MapState(Generic[K, V]):
 
 
 class _Entries(Mapping[K, MapEntry[V]]):
-    """``MapState.entries``: the state's values and versions as :class:`MapEntry` objects,
-    made on each read (a lookup is a dict probe, and a bisect for the version)."""
+    """``MapState.entries``: a read-only view of a state's entries through its ``lookup``,
+    ``exists`` and ``count`` (the in-memory state's, or the disk state's store)."""
 
     __slots__ = ("_state",)
 
@@ -604,25 +619,20 @@ class _Entries(Mapping[K, MapEntry[V]]):
         self._state = state
 
     def get(self, key: K, default: Any = None) -> Any:
-        state = self._state
-        value = state.values.get(key, _ABSENT)
-        if value is _ABSENT:
-            return default
-        version = state.version_of(key)
-        assert version is not None  # bound: version_of finds it or raises
-        return MapEntry(value, MapVersion(version))
+        found = self._state.lookup(key)
+        return default if found is None else found
 
     def __getitem__(self, key: K) -> MapEntry[V]:
-        entry = self.get(key)
-        if entry is None:
+        found = self._state.lookup(key)
+        if found is None:
             raise KeyError(key)
-        return cast(MapEntry[V], entry)
+        return found
 
     def __contains__(self, key: object) -> bool:
-        return key in self._state.values
+        return self._state.exists(cast(K, key))
 
     def __len__(self) -> int:
-        return len(self._state.values)
+        return self._state.count()
 
     def __iter__(self) -> Iterator[K]:
         # Key order, like items(): keys(), values() and items() agree.
