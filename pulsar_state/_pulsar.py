@@ -751,10 +751,16 @@ class TailProbe:
     replicas can attach to the one subscription.
     """
 
+    # After moving the mark, it is sent again after these pauses (seconds): measured, an
+    # acknowledgement the broker took while the topic unloaded was never persisted (its
+    # cursor was closed), so the mark went back and nothing moved it until the next snapshot.
+    _REACK_AFTER_S = (1.0, 4.0)
+
     def __init__(self, consumer: Any, topic: str) -> None:
         self._consumer = consumer
         self._topic = topic
         self._pid = os.getpid()
+        self._reack: asyncio.Task[None] | None = None
 
     async def last_id(self) -> LogPosition | None:
         """The topic's last message id as the broker has it now; None when the topic is
@@ -783,18 +789,36 @@ class TailProbe:
         """Move the subscription's mark past ``position``: the broker may then delete the
         ledgers wholly behind it (retention permitting). Never moves it back.
 
-        Acknowledgements are not confirmed by the broker: one sent as the connection drops is
-        lost, and the next call (after the next snapshot) moves the mark instead."""
+        Acknowledgements are not confirmed by the broker: one sent as the connection drops, or
+        taken while the topic unloads, can be lost; it is sent again 1 s and 5 s later, and the
+        next call (after the next snapshot) moves the mark in any case."""
         _check_process(self._pid, f"the tail probe on {self._topic}")
         self._check_connected()
+        mark = pulsar.MessageId(-1, position.ledger, position.entry, -1)
         with translate_errors(f"move the trim point of {self._topic}"):
-            await self._consumer.acknowledge_cumulative(
-                pulsar.MessageId(-1, position.ledger, position.entry, -1)
-            )
+            await self._consumer.acknowledge_cumulative(mark)
+        if self._reack is not None:
+            self._reack.cancel()
+        self._reack = asyncio.get_running_loop().create_task(self._acknowledge_again(mark))
+
+    async def _acknowledge_again(self, mark: Any) -> None:
+        """Send ``mark`` again a little later: idempotent, and it restores a mark lost in an
+        unload (the broker ignores a cumulative ack at or behind the current mark)."""
+        for pause in self._REACK_AFTER_S:
+            await asyncio.sleep(pause)
+            if not self._consumer._consumer.is_connected():
+                continue  # reconnecting: the next pass sends it
+            try:
+                await self._consumer.acknowledge_cumulative(mark)
+            except Exception as exc:  # best effort: the next snapshot moves the mark anyway
+                logger.debug("re-sending the trim point of %s: %s", self._topic, exc)
 
     async def close(self) -> None:
         if os.getpid() != self._pid:
             return
+        if self._reack is not None:
+            self._reack.cancel()
+            self._reack = None
         try:
             with translate_errors(f"close the tail probe on {self._topic}"):
                 await wait_bounded(self._consumer.close(), _CLOSE_TIMEOUT_S)
