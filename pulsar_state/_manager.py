@@ -468,6 +468,20 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         if self._parts.writer is not None and not self.closed and self.halted is None:
             self._parts.writer.release_soon()
 
+    def take_writer(self) -> None:
+        """Take the topic's exclusive writer now, ahead of a write this process expects to
+        make soon, so that write skips the writer's acquisition (creating an exclusive
+        producer makes the broker persist a new producer epoch: 1.5-5 ms on the bundled
+        broker) and the catch-up with the tail. The counterpart of :meth:`release_writer`.
+
+        A hint, done in the background: it never fences another process, gives up after a
+        second if another process keeps the writer, and the writer taken is released after
+        ``idle_release_s`` if no write comes (as after a write). Ownership calls it when a
+        request queues behind a lease this process holds: its release is what comes next.
+        """
+        if self._parts.writer is not None and not self.closed and self.halted is None:
+            self._parts.writer.take_ahead()
+
     async def snapshot(self, *, timeout: float | None = None) -> SnapshotManifest:
         """Write a snapshot of the state as it is now; returns its manifest.
 

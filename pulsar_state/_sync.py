@@ -331,5 +331,9 @@ class SyncSharedStateManager(SyncFacade[SharedStateManager[S, Op]], Generic[S, O
         """See :meth:`SharedStateManager.release_writer`."""
         self._portal.call_sync(self._manager.release_writer)
 
+    def take_writer(self) -> None:
+        """See :meth:`SharedStateManager.take_writer`."""
+        self._portal.call_sync(self._manager.take_writer)
+
     def write_ops(self, ops: Sequence[Op], *, timeout: float | None = None) -> WriteResult[None]:
         return self._write(lambda: self._manager.write_ops(ops, timeout=timeout), timeout)

@@ -47,6 +47,8 @@ _PAUSE_AFTER_BUG_S = 0.1
 _TURN_PAUSE_S = 0.05
 # The longest one attempt to create the exclusive producer may take before it is retried.
 _ACQUIRE_ATTEMPT_S = 10.0
+# take_ahead() is a hint: it tries this long for a writer another process holds, then drops it.
+_AHEAD_BUDGET_S = 1.0
 
 
 class ReadSide(Protocol):
@@ -76,7 +78,9 @@ class ReadSide(Protocol):
 def _acquire_pause(state: RetryCallState) -> float:
     failed = state.outcome.exception() if state.outcome is not None else None
     if isinstance(failed, WriterBusyError):
-        return random.uniform(0.002, 0.03)  # contention: the holder releases within moments
+        # Contention: the holder usually releases within moments (a handover: it is closing
+        # its producer now), so retry soon, then back off to 30 ms, jittered.
+        return random.uniform(0.5, 1.0) * min(0.002 * 2.0 ** (state.attempt_number - 1), 0.03)
     return backoff(state)  # the broker is down or the topic moving: back off
 
 
@@ -109,6 +113,7 @@ class Writer:
         self._producer: StateWriter | None = None
         self._producer_since = 0.0
         self._release_when_idle = False  # release_soon(): skip the idle wait once
+        self._take_ahead = False  # take_ahead(): acquire before any write is queued
 
     async def run(self) -> None:
         """Serve the write queue until the manager closes or the replica halts; a failed
@@ -146,6 +151,10 @@ class Writer:
                 wake.clear()
                 if self._producer is None:
                     self._release_when_idle = False  # nothing held: the hint is spent
+                    if self._take_ahead:
+                        self._take_ahead = False
+                        await self._acquire_ahead()
+                        continue
                     await wake.wait()
                     continue
                 if self._release_when_idle:
@@ -174,12 +183,26 @@ class Writer:
             await self._write_batch()
             self._after_batch()
 
-    async def _acquire(self) -> None:
+    async def _acquire_ahead(self) -> None:
+        # A hint: another process keeping the writer, or a broker hiccup, only drops it.
+        try:
+            await self._acquire(ahead=True)
+        except (PulsarStateError, TimeoutError) as exc:
+            logger.debug("taking the writer of %s ahead of a write: %s", self._topic, exc)
+            await self.release()
+
+    async def _acquire(self, *, ahead: bool = False) -> None:
+        """Create the exclusive producer and catch up. ``ahead``: no write is queued yet
+        (take_ahead), so never fence, give up after ``_AHEAD_BUDGET_S`` and fail no write."""
         pending, settings = self._pending, self._settings
         loop = asyncio.get_running_loop()
         started = loop.time()
-        budget = max(0.0, min(settings.acquire_timeout_s, pending.latest_deadline() - started))
-        takeover = settings.takeover_after_s
+        if ahead:
+            budget = min(settings.acquire_timeout_s, _AHEAD_BUDGET_S)
+            takeover = None
+        else:
+            budget = max(0.0, min(settings.acquire_timeout_s, pending.latest_deadline() - started))
+            takeover = settings.takeover_after_s
         topic = str(self._topic)
         try:
             async for attempt in AsyncRetrying(
@@ -191,7 +214,7 @@ class Writer:
             ):
                 with attempt:
                     pending.expire(loop.time())
-                    if not pending.queue:
+                    if not pending.queue and not ahead:
                         return
                     fencing = takeover is not None and loop.time() - started >= takeover
                     if fencing:
@@ -207,6 +230,8 @@ class Writer:
                         ),
                     )
         except WriterBusyError:
+            if ahead:
+                raise
             waited = loop.time() - started
             for waiting in pending.queue:
                 if waiting.future.done():
@@ -223,6 +248,7 @@ class Writer:
             pending.expire(loop.time())
             raise
         self._producer_since = loop.time()
+        self._take_ahead = False
         self._pending.last_failure = None
         self._stats.writer_acquisitions += 1
         if self._producer is not None and self._producer.fencing:
@@ -246,6 +272,15 @@ class Writer:
             await asyncio.wait_for(awaitable, timeout)
         except TimeoutError as exc:
             raise OperationTimeoutError(f"{what} on {self._topic} took over {timeout}s") from exc
+
+    def take_ahead(self) -> None:
+        """Acquire the writer (and catch up) now if it is not held and no write is queued:
+        the next write then skips the producer's creation. Held as after a write: released
+        after ``idle_release_s`` without one."""
+        self._release_when_idle = False
+        if self._producer is None:
+            self._take_ahead = True
+            self._pending.wake.set()
 
     def release_soon(self) -> None:
         """Release the writer as soon as no write is queued, without the idle wait (also

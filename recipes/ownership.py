@@ -138,11 +138,14 @@ class Ownership:
             **manager_options,
         )
         self._pending: dict[str, asyncio.Future[Lease]] = {}
-        self._keepers: dict[str, asyncio.Task[None]] = {}
+        # lease id -> the timer of its next renewal, or the task renewing it now
+        self._keepers: dict[str, asyncio.TimerHandle | asyncio.Task[None]] = {}
         self._mine: set[str] = set()  # ids of this Ownership's requests and leases
         self._subscribers: list[Subscriber] = []
         self._on_close: list[Callable[[PulsarStateError], None]] = []
         self._changed: asyncio.Event | None = None
+        # When the reaper looks next (Unix time): a record wakes it only for an earlier expiry.
+        self._reap_wake_at = 0.0
         self._reaper: asyncio.Task[None] | None = None
         self._opened = False
         self._stopping = False
@@ -168,7 +171,10 @@ class Ownership:
         if self._closed:
             return
         self._stopping = True
-        tasks = [t for t in [self._reaper, *self._keepers.values()] if t is not None]
+        keepers = list(self._keepers.values())
+        for keeper in keepers:
+            keeper.cancel()
+        tasks = [t for t in [self._reaper, *keepers] if isinstance(t, asyncio.Task)]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -493,37 +499,74 @@ class Ownership:
                     self._stop_keeping(lease_id)
         if events:
             table = self._manager.read_local(lambda s: s)
+            if self._holds_up_a_request(events, table):
+                # This process's release comes next: have the writer ready for it.
+                self._manager.take_writer()
             for callback in list(self._subscribers):
                 callback(events, table)
-        if self._changed is not None:
+        if self._changed is not None and any(
+            event.lease.expires_at + _REAP_GRACE_S < self._reap_wake_at
+            for event in events
+            if event.kind in ("requested", "granted", "renewed")
+        ):
             self._changed.set()
 
-    def _keep(self, lease_id: str, ttl: float) -> None:
-        self._keepers[lease_id] = asyncio.get_running_loop().create_task(
-            self._keep_alive(lease_id, ttl), name=f"ownership-keepalive-{lease_id}"
+    def _holds_up_a_request(self, events: list[LeaseEvent], table: LeaseTable) -> bool:
+        """Whether another owner's request just queued behind a lease this process holds
+        (or this process was just granted a lease that requests wait behind)."""
+        me = self.owner
+        if not any(
+            (event.kind == "requested" and event.lease.owner != me)
+            or (event.kind == "granted" and event.lease.owner == me)
+            for event in events
+        ):
+            return False
+        held = {
+            name
+            for lease in table.leases.values()
+            if lease.held and lease.owner == me
+            for name in lease.names
+        }
+        return bool(held) and any(
+            not lease.held and lease.owner != me and not held.isdisjoint(lease.names)
+            for lease in table.leases.values()
+        )
+
+    def _keep(self, lease_id: str, ttl: float, interval: float | None = None) -> None:
+        # A timer, not a task sleeping per lease: nothing to start or cancel on the loop
+        # for the common lease that is released before its first renewal.
+        self._keepers[lease_id] = asyncio.get_running_loop().call_later(
+            ttl / 3 if interval is None else interval, self._renew_due, lease_id, ttl
         )
 
     def _stop_keeping(self, lease_id: str) -> None:
-        task = self._keepers.pop(lease_id, None)
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
+        keeper = self._keepers.pop(lease_id, None)
+        if keeper is not None and keeper is not asyncio.current_task():
+            keeper.cancel()
+
+    def _renew_due(self, lease_id: str, ttl: float) -> None:
+        if not self._stopping and lease_id in self._keepers:
+            self._keepers[lease_id] = asyncio.get_running_loop().create_task(
+                self._keep_alive(lease_id, ttl), name=f"ownership-keepalive-{lease_id}"
+            )
 
     async def _keep_alive(self, lease_id: str, ttl: float) -> None:
         interval = ttl / 3
-        while not self._stopping:
-            await asyncio.sleep(interval)
-            try:
-                await self._renew(lease_id, ttl, timeout=max(interval, 0.5))
-                interval = ttl / 3
-            except NotHeldError:
-                logger.warning("lease %s was lost: it expired before it could be renewed", lease_id)
-                self._keepers.pop(lease_id, None)
-                return
-            except ClosedError:
-                return
-            except PulsarStateError as exc:
-                logger.warning("renewing lease %s failed (%s); retrying", lease_id, exc)
-                interval = max(interval / 2, 0.05)
+        try:
+            await self._renew(lease_id, ttl, timeout=max(interval, 0.5))
+            retry_in = None
+        except NotHeldError:
+            logger.warning("lease %s was lost: it expired before it could be renewed", lease_id)
+            self._keepers.pop(lease_id, None)
+            return
+        except ClosedError:
+            return
+        except PulsarStateError as exc:
+            logger.warning("renewing lease %s failed (%s); retrying", lease_id, exc)
+            retry_in = max(interval / 2, 0.05)
+        # Released (or lost) meanwhile: _stop_keeping dropped this task from the keepers.
+        if self._keepers.get(lease_id) is asyncio.current_task() and not self._stopping:
+            self._keep(lease_id, ttl, retry_in)
 
     async def _reap_loop(self) -> None:
         assert self._changed is not None
@@ -534,12 +577,14 @@ class Ownership:
             now = time.time()
             if due is None or due + _REAP_GRACE_S > now:
                 delay = _REAP_IDLE_S if due is None else due + _REAP_GRACE_S - now
-                delay += random.random() * _REAP_JITTER_S
+                delay = min(delay + random.random() * _REAP_JITTER_S, _REAP_IDLE_S)
+                self._reap_wake_at = now + delay
                 # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation.
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(delay, _REAP_IDLE_S)):
+                    async with asyncio.timeout(delay):
                         await changed.wait()
                 continue
+            self._reap_wake_at = 0.0  # writing a tick now: it looks again right after
             try:
                 await self._manager.write(self._tick)
             except ClosedError:

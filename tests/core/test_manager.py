@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
@@ -228,6 +229,51 @@ async def test_finished_writes_do_not_pile_up_until_their_deadline(
             await asyncio.sleep(0.05)
         assert len(manager._deadlines) <= 4096
         assert await manager.read(lambda s: s["count"]) == 5000
+
+
+async def until(condition: Any, what: str, seconds: float = 10.0) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {seconds}s: {what}")
+
+
+async def test_take_writer_acquires_ahead_and_the_next_write_finds_it_held(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url, idle_release_s=0.5) as a:
+        a.take_writer()
+        await until(lambda: a.stats.writer_acquisitions == 1, "the writer taken ahead")
+        await a.write(lambda s: [incr()])
+        assert a.stats.writer_acquisitions == 1  # no second acquisition for the write
+        # Held as after a write: released once idle_release_s passes without one.
+        await until(lambda: a.stats.writer_releases == 1, "the idle writer released")
+        a.take_writer()
+        a.take_writer()  # a second hint while the first is served changes nothing
+        await until(lambda: a.stats.writer_acquisitions == 2, "the writer taken again")
+        assert await a.read(lambda s: s["count"], latest=True) == 1
+
+
+async def test_take_writer_is_a_hint_that_never_fences_the_holder(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # b keeps the writer; a's hint gives up quietly after its budget (1 s) even though a
+    # fences holders for its writes after 0.2 s, and b goes on writing with its producer.
+    async with (
+        counter_manager(service_url, topic, admin_url, idle_release_s=60.0, max_hold_s=60.0) as b,
+        counter_manager(service_url, topic, admin_url, takeover_after_s=0.2) as a,
+    ):
+        await b.write(lambda s: [incr()])
+        a.take_writer()
+        await asyncio.sleep(2.0)
+        assert (a.stats.writer_acquisitions, a.stats.writer_fencings) == (0, 0)
+        await b.write(lambda s: [incr()])
+        assert b.stats.writer_acquisitions == 1  # still its first producer: not fenced
+        b.release_writer()
+        await a.write(lambda s: [incr()], timeout=10.0)
+        assert a.stats.writer_fencings == 0
+        assert await a.read(lambda s: s["count"], latest=True) == 3
 
 
 async def test_release_writer_gives_the_writer_up_without_the_idle_wait(

@@ -348,3 +348,71 @@ async def test_a_candidate_whose_request_expired_while_waiting_campaigns_again(
         second = await asyncio.wait_for(waiting, 60)
         assert second.name == "two"
         assert second.token > first.token
+
+
+async def until(condition: Any, what: str, seconds: float = 10.0) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {seconds}s: {what}")
+
+
+async def test_a_holder_takes_the_writer_when_a_request_queues_behind_it(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Its release comes next: the writer (an exclusive producer, slow to create) is taken
+    # while the waiter queues, so the release itself is only a send.
+    async with (
+        owners(service_url, topic, admin_url, owner="a", idle_release_s=2.0) as a,
+        owners(service_url, topic, admin_url, owner="b") as b,
+        owners(service_url, topic, admin_url, owner="c") as c,
+    ):
+        held = await a.acquire("x", ttl=60)  # no renewal (a write) during the test
+        await until(lambda: a.manager.stats.writer_releases == 1, "a's writer released")
+        other = await c.acquire("y")  # a request for another name is no reason
+        await asyncio.sleep(0.3)
+        assert a.manager.stats.writer_acquisitions == 1
+        waiting = asyncio.ensure_future(b.acquire("x", ttl=60, timeout=30))
+        await until(lambda: a.manager.stats.writer_acquisitions == 2, "a takes the writer", 5.0)
+        await a.release(held, timeout=10)
+        assert a.manager.stats.writer_acquisitions == 2  # the release found it held
+        granted = await asyncio.wait_for(waiting, 30)
+        assert granted.token > held.token
+        await b.release(granted)
+        await c.release(other)
+
+
+async def test_an_idle_replica_reaps_a_short_lease_on_time(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # a has no lease, so its reaper sleeps its 5 s backstop; a record bringing an earlier
+    # expiry wakes it, and the lease b stopped renewing ends about its TTL later.
+    async with (
+        owners(service_url, topic, admin_url) as a,
+        owners(service_url, topic, admin_url, reap=False) as b,
+    ):
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        await b.acquire("x", ttl=0.5, keep_alive=False)
+        await until(lambda: not a.holders_local("x") and a.position > 1, "x freed", 10.0)
+        assert time.monotonic() - started < 2.5
+
+
+async def test_keep_alive_renews_until_release_and_not_after(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with owners(service_url, topic, admin_url) as a:
+        renewals: list[int] = []
+        a.subscribe(
+            lambda events, table: renewals.extend(e.position for e in events if e.kind == "renewed")
+        )
+        lease = await a.acquire("x", ttl=0.6)
+        await asyncio.sleep(1.5)  # two and a half TTLs
+        assert len(renewals) >= 3
+        assert a.is_held(lease)
+        await a.release(lease)
+        count = len(renewals)
+        await asyncio.sleep(0.6)
+        assert len(renewals) == count  # the renewal timer went with the lease
+        assert a._keepers == {}
