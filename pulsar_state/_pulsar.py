@@ -581,6 +581,7 @@ class StateReader:
         self._queued_bytes = 0
         self._room = threading.Condition()
         self._ready = asyncio.Event()
+        self._loop_waiting = False  # read_batch is waiting for a batch (set on the loop)
         self._pending: deque[RawMessage] = deque()
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -596,11 +597,12 @@ class StateReader:
         # a 1M-key replay of 3 MB records peaked 120 MB higher without.
         trims = TrimPolicy(trim=release_free_memory)
         while not self._stop.is_set():
-            if batch and self._batches.empty():
-                # The loop has taken everything: hand this over now rather than probe for
+            if batch and self._loop_waiting:
+                # The loop waits for messages: hand these over now rather than probe for
                 # more. A probe that finds nothing costs ~85 us (the client raises Timeout
                 # through pybind11's exception translators), once per record when following
                 # the tail; while the loop is busy, the batch keeps growing instead.
+                self._loop_waiting = False
                 self._hand_over(batch, batch_bytes)
                 batch, batch_bytes = [], 0
             try:
@@ -664,7 +666,11 @@ class StateReader:
             try:  # a batch may have arrived between the check and the clear
                 return self._taken(self._batches.get_nowait())
             except queue.Empty:
-                await self._ready.wait()
+                self._loop_waiting = True
+                try:
+                    await self._ready.wait()
+                finally:
+                    self._loop_waiting = False
 
     def _taken(self, handed: tuple[list[RawMessage], int]) -> list[RawMessage]:
         batch, size = handed

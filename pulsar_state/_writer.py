@@ -214,6 +214,9 @@ class Writer:
             ):
                 with attempt:
                     pending.expire(loop.time())
+                    if ahead and pending.queue:
+                        # A write came: acquire for it instead (its budget, its takeover).
+                        return
                     if not pending.queue and not ahead:
                         return
                     fencing = takeover is not None and loop.time() - started >= takeover

@@ -512,31 +512,46 @@ class Ownership:
             self._changed.set()
 
     def _holds_up_a_request(self, events: list[LeaseEvent], table: LeaseTable) -> bool:
-        """Whether another owner's request just queued behind a lease this process holds
-        (or this process was just granted a lease that requests wait behind)."""
-        me = self.owner
-        if not any(
-            (event.kind == "requested" and event.lease.owner != me)
-            or (event.kind == "granted" and event.lease.owner == me)
-            for event in events
-        ):
+        """Whether this process's release is what a request waits for: another process's
+        request just queued on names only this process holds, or this process was just
+        granted names another request waits for."""
+        if not self._mine:
             return False
-        held = {
-            name
-            for lease in table.leases.values()
-            if lease.held and lease.owner == me
-            for name in lease.names
-        }
-        return bool(held) and any(
-            not lease.held and lease.owner != me and not held.isdisjoint(lease.names)
-            for lease in table.leases.values()
-        )
+        mine = self._mine | self._pending.keys()  # a request's id is in _mine once written
+        for event in events:
+            lease = event.lease
+            if event.kind == "requested" and lease.id not in mine:
+                waiting = table.leases.get(lease.id)
+                if (
+                    waiting is not None
+                    and not waiting.held
+                    and self._only_mine_hold(waiting.names, table, mine)
+                ):
+                    return True
+            elif event.kind == "granted" and lease.id in mine:
+                for other in table.leases.values():
+                    if (
+                        not other.held
+                        and other.id not in mine
+                        and not set(lease.names).isdisjoint(other.names)
+                        and self._only_mine_hold(other.names, table, mine)
+                    ):
+                        return True
+        return False
+
+    @staticmethod
+    def _only_mine_hold(names: tuple[str, ...], table: LeaseTable, mine: set[str]) -> bool:
+        # Other holders too (shared readers): their releases count as much; none takes the
+        # writer ahead, rather than all of them at once.
+        held = [lease_id for name in names for lease_id in table.holders.get(name, ())]
+        return bool(held) and all(lease_id in mine for lease_id in held)
 
     def _keep(self, lease_id: str, ttl: float, interval: float | None = None) -> None:
         # A timer, not a task sleeping per lease: nothing to start or cancel on the loop
         # for the common lease that is released before its first renewal.
+        interval = ttl / 3 if interval is None else interval
         self._keepers[lease_id] = asyncio.get_running_loop().call_later(
-            ttl / 3 if interval is None else interval, self._renew_due, lease_id, ttl
+            interval, self._renew_due, lease_id, ttl, interval
         )
 
     def _stop_keeping(self, lease_id: str) -> None:
@@ -544,14 +559,16 @@ class Ownership:
         if keeper is not None and keeper is not asyncio.current_task():
             keeper.cancel()
 
-    def _renew_due(self, lease_id: str, ttl: float) -> None:
+    def _renew_due(self, lease_id: str, ttl: float, interval: float) -> None:
         if not self._stopping and lease_id in self._keepers:
             self._keepers[lease_id] = asyncio.get_running_loop().create_task(
-                self._keep_alive(lease_id, ttl), name=f"ownership-keepalive-{lease_id}"
+                self._keep_alive(lease_id, ttl, interval),
+                name=f"ownership-keepalive-{lease_id}",
             )
 
-    async def _keep_alive(self, lease_id: str, ttl: float) -> None:
-        interval = ttl / 3
+    async def _keep_alive(self, lease_id: str, ttl: float, interval: float) -> None:
+        # After a failure the next try comes sooner (halving, down to 50 ms) while the
+        # lease may still be saved; after a success, ttl / 3 again.
         try:
             await self._renew(lease_id, ttl, timeout=max(interval, 0.5))
             retry_in = None

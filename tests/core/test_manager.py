@@ -271,9 +271,30 @@ async def test_take_writer_is_a_hint_that_never_fences_the_holder(
         await b.write(lambda s: [incr()])
         assert b.stats.writer_acquisitions == 1  # still its first producer: not fenced
         b.release_writer()
+        await until(lambda: b.stats.writer_releases == 1, "b's writer released")
         await a.write(lambda s: [incr()], timeout=10.0)
         assert a.stats.writer_fencings == 0
         assert await a.read(lambda s: s["count"], latest=True) == 3
+
+
+async def test_a_write_queued_during_a_take_ahead_fences_on_its_own_terms(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # b keeps the writer. a's hint is busy retrying (it would give up only after 1 s); a's
+    # write, queued meanwhile, must not wait that out: it takes over after takeover_after_s.
+    async with (
+        counter_manager(service_url, topic, admin_url, idle_release_s=60.0, max_hold_s=60.0) as b,
+        counter_manager(service_url, topic, admin_url, takeover_after_s=0.2) as a,
+    ):
+        await b.write(lambda s: [incr()])
+        a.take_writer()
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await a.write(lambda s: [incr()], timeout=10.0)
+        # ~0.25 s; waiting out the hint's budget first would take over 1.2 s.
+        assert time.monotonic() - started < 1.0
+        assert a.stats.writer_fencings == 1
+        assert await a.read(lambda s: s["count"], latest=True) == 2
 
 
 async def test_release_writer_gives_the_writer_up_without_the_idle_wait(

@@ -370,7 +370,7 @@ async def test_a_holder_takes_the_writer_when_a_request_queues_behind_it(
     ):
         held = await a.acquire("x", ttl=60)  # no renewal (a write) during the test
         await until(lambda: a.manager.stats.writer_releases == 1, "a's writer released")
-        other = await c.acquire("y")  # a request for another name is no reason
+        other = await c.acquire("y", ttl=60)  # a request for another name is no reason
         await asyncio.sleep(0.3)
         assert a.manager.stats.writer_acquisitions == 1
         waiting = asyncio.ensure_future(b.acquire("x", ttl=60, timeout=30))
@@ -407,12 +407,44 @@ async def test_keep_alive_renews_until_release_and_not_after(
         a.subscribe(
             lambda events, table: renewals.extend(e.position for e in events if e.kind == "renewed")
         )
-        lease = await a.acquire("x", ttl=0.6)
-        await asyncio.sleep(1.5)  # two and a half TTLs
+        lease = await a.acquire("x", ttl=1.5)
+        await asyncio.sleep(3.5)  # over two TTLs: renewed every 0.5 s
         assert len(renewals) >= 3
         assert a.is_held(lease)
         await a.release(lease)
         count = len(renewals)
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(1.0)
         assert len(renewals) == count  # the renewal timer went with the lease
         assert a._keepers == {}
+
+
+async def test_only_a_release_that_frees_a_waiter_is_prepared_for(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        owners(service_url, topic, admin_url, owner="a", idle_release_s=0.3) as a,
+        owners(service_url, topic, admin_url, owner="b") as b,
+        owners(service_url, topic, admin_url, owner="c", idle_release_s=0.3) as c,
+    ):
+        held = await a.acquire("x", ttl=60)
+        waiting = asyncio.ensure_future(b.acquire("x", ttl=60, timeout=30))
+        await until(lambda: a.manager.stats.writer_acquisitions == 2, "a takes the writer")
+        await until(lambda: a.manager.stats.writer_releases == 2, "a's idle writer released")
+        # A request for a name a does not hold, while b still waits for x: no reason.
+        other = await c.acquire("y", ttl=60)
+        # Shared readers: b's write request waits for both; neither release alone frees it.
+        read_a = await a.acquire("r", mode="read", ttl=60)
+        read_c = await c.acquire("r", mode="read", ttl=60)
+        await until(lambda: a.manager.stats.writer_releases == 3, "a's idle writer released")
+        await until(lambda: c.manager.stats.writer_releases == 2, "c's idle writer released")
+        counts = (a.manager.stats.writer_acquisitions, c.manager.stats.writer_acquisitions)
+        writer_wants_r = asyncio.ensure_future(b.acquire("r", ttl=60, timeout=30))
+        await until(lambda: len(a.read_local(lambda t: t.waiting())) == 2, "b's second request")
+        await asyncio.sleep(0.5)
+        assert (a.manager.stats.writer_acquisitions, c.manager.stats.writer_acquisitions) == counts
+        await a.release(held)
+        await b.release(await asyncio.wait_for(waiting, 30))
+        await c.release(other)
+        await a.release(read_a)
+        await c.release(read_c)
+        await b.release(await asyncio.wait_for(writer_wants_r, 30))
