@@ -19,6 +19,10 @@ write set, and releases them), as a table replicated through one Pulsar topic (s
   own clock says a lease is past due (``reap=True``), so a dead holder's resources are freed
   about ``ttl`` after its last renewal even when nobody else writes.
 
+Handover: a request that has to wait gives the topic's writer up at once (the holder writes
+next), and a holder whose release alone would grant a request that just queued takes the
+writer ahead (``take_writer``), so a release within ``idle_release_s`` of it is one send.
+
 Failure semantics: as the core's. A call that times out raises
 :class:`~pulsar_state.OperationTimeoutError` (``acquire`` then withdraws its request); errors
 that say "nothing was written" (:class:`NotHeldError`, :class:`UnknownResourceError`,
