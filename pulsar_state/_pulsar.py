@@ -769,11 +769,19 @@ class TailProbe:
     # cursor was closed), so the mark went back and nothing moved it until the next snapshot.
     _REACK_AFTER_S = (1.0, 4.0)
 
-    def __init__(self, consumer: Any, topic: str) -> None:
+    def __init__(
+        self,
+        consumer: Any,
+        topic: str,
+        *,
+        resubscribe: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
         self._consumer = consumer
         self._topic = topic
         self._pid = os.getpid()
         self._reack: asyncio.Task[None] | None = None
+        # Another consumer on the same subscription, for _acknowledge_again.
+        self._resubscribe = resubscribe
 
     async def last_id(self) -> LogPosition | None:
         """The topic's last message id as the broker has it now; None when the topic is
@@ -815,15 +823,25 @@ class TailProbe:
         self._reack = asyncio.get_running_loop().create_task(self._acknowledge_again(mark))
 
     async def _acknowledge_again(self, mark: Any) -> None:
-        """Send ``mark`` again a little later: idempotent, and it restores a mark lost in an
-        unload (the broker ignores a cumulative ack at or behind the current mark)."""
+        """Send ``mark`` again a little later: idempotent (the broker ignores a cumulative ack
+        at or behind the current mark), and it restores a mark lost in an unload.
+
+        Through a short-lived consumer of the same subscription: the probe's own consumer
+        would not send it at all (the client drops a cumulative ack at or behind the last one
+        it sent, whatever the broker kept). Closing that consumer flushes the ack."""
+        if self._resubscribe is None:
+            return
         for pause in self._REACK_AFTER_S:
             await asyncio.sleep(pause)
-            if not self._consumer._consumer.is_connected():
-                continue  # reconnecting: the next pass sends it
             try:
-                await self._consumer.acknowledge_cumulative(mark)
-            except Exception as exc:  # best effort: the next snapshot moves the mark anyway
+                consumer = await self._resubscribe()
+                try:
+                    with translate_errors(f"move the trim point of {self._topic} again"):
+                        await consumer.acknowledge_cumulative(mark)
+                finally:
+                    await wait_bounded(consumer.close(), _CLOSE_TIMEOUT_S)
+            except (PulsarStateError, TimeoutError) as exc:
+                # Best effort: the next snapshot moves the mark anyway.
                 logger.debug("re-sending the trim point of %s: %s", self._topic, exc)
 
     async def close(self) -> None:
@@ -970,19 +988,31 @@ class PulsarConnection:
         """A :class:`TailProbe` on ``topic`` (creates :data:`TAIL_SUBSCRIPTION` at the topic's
         first message if it does not exist yet)."""
         _check_process(self._pid, "the Pulsar client")
-        consumer = await subscribe_bounded(
-            lambda: self._client.subscribe(
+
+        def subscribe(consumer_name: str) -> Callable[[], Awaitable[Any]]:
+            return lambda: self._client.subscribe(
                 topic,
                 TAIL_SUBSCRIPTION,
                 consumer_type=pulsar.ConsumerType.Failover,
                 receiver_queue_size=0,
-                consumer_name=name,
+                consumer_name=consumer_name,
                 initial_position=pulsar.InitialPosition.Earliest,
-            ),
+            )
+
+        consumer = await subscribe_bounded(
+            subscribe(name),
             timeout=self._operation_timeout_s,
             what=f"open the tail probe on {topic}",
         )
-        return TailProbe(consumer, topic)
+        return TailProbe(
+            consumer,
+            topic,
+            resubscribe=lambda: subscribe_bounded(
+                subscribe(f"{name}-mark"),
+                timeout=self._operation_timeout_s,
+                what=f"open a consumer to move the trim point of {topic}",
+            ),
+        )
 
     async def partitions(self, topic: str) -> list[str]:
         _check_process(self._pid, "the Pulsar client")

@@ -201,3 +201,30 @@ def _close_and_trim_blocking(admin_url: str, topic: str) -> None:
             return
         except OSError:
             time.sleep(0.1)
+
+
+async def test_a_trim_point_the_broker_lost_is_sent_again(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The broker can lose an acknowledged mark (taken while the topic unloads, it was never
+    # persisted); here the mark is put back by hand. The library sends it again 1 s and 5 s
+    # later, through a new consumer: the probe's own would drop an ack it already sent.
+    async with trimming_manager(service_url, topic, admin_url) as writer:
+        await write_and_snapshot(writer, 5)
+        before = mark_delete(admin_url, topic)
+        await write_and_snapshot(writer, 5)
+        for _ in range(100):
+            moved = mark_delete(admin_url, topic)
+            if moved > before:
+                break
+            await asyncio.sleep(0.05)
+        assert moved > before
+        admin_request(
+            admin_url, "POST", rest_path(topic) + "/subscription/pulsar-state/resetcursor/0"
+        )
+        assert mark_delete(admin_url, topic) < moved
+        for _ in range(200):
+            if mark_delete(admin_url, topic) >= moved:
+                break
+            await asyncio.sleep(0.05)
+        assert mark_delete(admin_url, topic) >= moved
