@@ -39,7 +39,7 @@ import os
 import struct
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Generic, Literal, TypeVar, cast
@@ -66,6 +66,7 @@ from ._map_ops import (
     MapState,
     MapVersion,
     _TrialMapState,
+    _Values,
 )
 
 __all__ = [
@@ -519,7 +520,7 @@ class DiskMapState(MapState[K, V]):
         # Set by a snapshot load (a worker thread) once the store switched to the loaded
         # database; the loop's next use of the store follows it (see _settle).
         self._switched = False
-        self.values = _DiskValues(self)  # type: ignore[assignment]
+        self.values = _Values(self)  # type: ignore[assignment]
 
     # ------------------------------------------------------------ opening and closing
 
@@ -901,34 +902,6 @@ class _DiskTrialMapState(_TrialMapState[K, V]):
         if op.key is not None:
             check_key(op.key)
         super().apply(op)
-
-
-class _DiskValues(Mapping[K, V]):
-    """``state.values`` of a disk state (``get`` serves ``PulsarMap.get_local``)."""
-
-    __slots__ = ("_state",)
-
-    def __init__(self, state: DiskMapState[K, V]) -> None:
-        self._state = state
-
-    def get(self, key: K, default: Any = None) -> Any:
-        found = self._state.lookup(key)
-        return default if found is None else found.value
-
-    def __getitem__(self, key: K) -> V:
-        found = self._state.lookup(key)
-        if found is None:
-            raise KeyError(key)
-        return found.value
-
-    def __contains__(self, key: object) -> bool:
-        return self._state.exists(cast(K, key))
-
-    def __len__(self) -> int:
-        return self._state.count()
-
-    def __iter__(self) -> Iterator[K]:
-        return iter(self._state.sorted_keys())
 
 
 class _DiskView(MapState[K, V]):

@@ -609,24 +609,30 @@ class MapState(Generic[K, V]):
         ]
 
 
-class _Entries(Mapping[K, MapEntry[V]]):
-    """``MapState.entries``: a read-only view of a state's entries through its ``lookup``,
-    ``exists`` and ``count`` (the in-memory state's, or the disk state's store)."""
+T = TypeVar("T")
+
+
+class _StateView(Mapping[K, T]):
+    """A read-only mapping over a state's ``lookup``, ``exists`` and ``count`` (the in-memory
+    state's, or the disk state's store), each found entry shown through ``_show``."""
 
     __slots__ = ("_state",)
 
-    def __init__(self, state: MapState[K, V]) -> None:
+    def __init__(self, state: MapState[K, Any]) -> None:
         self._state = state
+
+    def _show(self, found: MapEntry[Any]) -> T:
+        raise NotImplementedError
 
     def get(self, key: K, default: Any = None) -> Any:
         found = self._state.lookup(key)
-        return default if found is None else found
+        return default if found is None else self._show(found)
 
-    def __getitem__(self, key: K) -> MapEntry[V]:
+    def __getitem__(self, key: K) -> T:
         found = self._state.lookup(key)
         if found is None:
             raise KeyError(key)
-        return found
+        return self._show(found)
 
     def __contains__(self, key: object) -> bool:
         return self._state.exists(cast(K, key))
@@ -638,8 +644,26 @@ class _Entries(Mapping[K, MapEntry[V]]):
         # Key order, like items(): keys(), values() and items() agree.
         return iter(self._state.sorted_keys())
 
+
+class _Entries(_StateView[K, MapEntry[V]]):
+    """``MapState.entries``: the entries (value and version) of a state."""
+
+    __slots__ = ()
+
+    def _show(self, found: MapEntry[Any]) -> MapEntry[V]:
+        return found
+
     def items(self) -> Any:
         return self._state.entries_in_order()
+
+
+class _Values(_StateView[K, V]):
+    """The values of a state (a disk state's ``values``: ``get`` serves ``get_local``)."""
+
+    __slots__ = ()
+
+    def _show(self, found: MapEntry[Any]) -> V:
+        return cast(V, found.value)
 
 
 _ABSENT: Any = object()
