@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import pytest
 
@@ -16,6 +15,7 @@ from pulsar_state import (
     WriteResult,
 )
 from tests.core.helpers import Counter, apply_counter, counter_manager, incr, new_counter
+from tests.support.waiting import until
 
 
 async def test_write_then_read_locally_and_latest(
@@ -229,14 +229,6 @@ async def test_finished_writes_do_not_pile_up_until_their_deadline(
             await asyncio.sleep(0.05)
         assert len(manager._deadlines) <= 4096
         assert await manager.read(lambda s: s["count"]) == 5000
-
-
-async def until(condition: Any, what: str, seconds: float = 10.0) -> None:
-    for _ in range(int(seconds / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not within {seconds}s: {what}")
 
 
 async def test_take_writer_acquires_ahead_and_the_next_write_finds_it_held(

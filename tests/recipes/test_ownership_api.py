@@ -28,6 +28,7 @@ from recipes import (
     fenced_transact,
 )
 from tests.recipes.helpers import new_map, recipe_options
+from tests.support.waiting import until
 
 
 def owners(service_url: str, topic: str, admin_url: str, **options: Any) -> Ownership:
@@ -348,14 +349,6 @@ async def test_a_candidate_whose_request_expired_while_waiting_campaigns_again(
         second = await asyncio.wait_for(waiting, 60)
         assert second.name == "two"
         assert second.token > first.token
-
-
-async def until(condition: Any, what: str, seconds: float = 10.0) -> None:
-    for _ in range(int(seconds / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not within {seconds}s: {what}")
 
 
 async def test_a_holder_takes_the_writer_when_a_request_queues_behind_it(
