@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -247,17 +250,27 @@ async def test_take_writer_acquires_ahead_and_the_next_write_finds_it_held(
         assert await a.read(lambda s: s["count"], latest=True) == 1
 
 
-async def test_take_writer_is_a_hint_that_never_fences_the_holder(
+@contextlib.asynccontextmanager
+async def hint_while_another_holds_the_writer(
     service_url: str, admin_url: str, topic: str
-) -> None:
-    # b keeps the writer; a's hint gives up quietly after its budget (1 s) even though a
-    # fences holders for its writes after 0.2 s, and b goes on writing with its producer.
+) -> AsyncIterator[tuple[Any, Any]]:
+    """(b, a): b wrote once and keeps the writer; a (which fences holders for its own writes
+    after 0.2 s) has just taken the hint take_writer()."""
     async with (
         counter_manager(service_url, topic, admin_url, idle_release_s=60.0, max_hold_s=60.0) as b,
         counter_manager(service_url, topic, admin_url, takeover_after_s=0.2) as a,
     ):
         await b.write(lambda s: [incr()])
         a.take_writer()
+        yield b, a
+
+
+async def test_take_writer_is_a_hint_that_never_fences_the_holder(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # a's hint gives up quietly after its budget (1 s) even though a fences holders for its
+    # writes after 0.2 s, and b goes on writing with its producer.
+    async with hint_while_another_holds_the_writer(service_url, admin_url, topic) as (b, a):
         await asyncio.sleep(2.0)
         assert (a.stats.writer_acquisitions, a.stats.writer_fencings) == (0, 0)
         await b.write(lambda s: [incr()])
@@ -272,14 +285,9 @@ async def test_take_writer_is_a_hint_that_never_fences_the_holder(
 async def test_a_write_queued_during_a_take_ahead_fences_on_its_own_terms(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    # b keeps the writer. a's hint is busy retrying (it would give up only after 1 s); a's
-    # write, queued meanwhile, must not wait that out: it takes over after takeover_after_s.
-    async with (
-        counter_manager(service_url, topic, admin_url, idle_release_s=60.0, max_hold_s=60.0) as b,
-        counter_manager(service_url, topic, admin_url, takeover_after_s=0.2) as a,
-    ):
-        await b.write(lambda s: [incr()])
-        a.take_writer()
+    # a's hint is busy retrying (it would give up only after 1 s); a's write, queued
+    # meanwhile, must not wait that out: it takes over after takeover_after_s.
+    async with hint_while_another_holds_the_writer(service_url, admin_url, topic) as (_, a):
         await asyncio.sleep(0.05)
         started = time.monotonic()
         await a.write(lambda s: [incr()], timeout=10.0)
