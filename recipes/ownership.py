@@ -175,15 +175,14 @@ class Ownership:
         if self._closed:
             return
         self._stopping = True
-        keepers = list(self._keepers.values())
-        for keeper in keepers:
-            keeper.cancel()
-        tasks = [t for t in [self._reaper, *keepers] if isinstance(t, asyncio.Task)]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # The reaper and the keep-alives: renewal timers and renewals running now.
+        background = [b for b in [self._reaper, *self._keepers.values()] if b is not None]
+        for work in background:
+            work.cancel()
+        for task in background:
+            if isinstance(task, asyncio.Task):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if release and self._opened and self._manager.halted is None:
             mine = set(self._mine)
             if mine:
