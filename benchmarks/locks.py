@@ -537,6 +537,7 @@ def run(
     handovers: int,
     say: Callable[[str], None],
     idle_release_s: Sequence[float] = (),
+    without_relay: bool = False,
     floor: dict[str, float] | None = None,
 ) -> tuple[list[SystemResult], dict[str, str]]:
     """Measure each system in turn; returns the results and the skipped peers' reasons.
@@ -544,7 +545,8 @@ def run(
     With the library, ``floor["pulsar_two_sends_p50_ms"]`` gets :func:`two_sends_p50_ms`.
 
     Each ``idle_release_s`` adds a run of the library with that manager setting (how long a
-    process keeps the topic's writer after its last write), labelled with it.
+    process keeps the topic's writer after its last write), labelled with it;
+    ``without_relay`` one with ``relay_writes=False`` (every write takes the writer itself).
     """
     results: list[SystemResult] = []
     skipped: dict[str, str] = {}
@@ -557,6 +559,8 @@ def run(
                     (f"library idle_release_s={idle:g}", {"idle_release_s": idle})
                     for idle in idle_release_s
                 ]
+                if without_relay:
+                    variants.append(("library relay_writes=False", {"relay_writes": False}))
                 for label, options in variants:
                     target = {
                         "service_url": broker.service_url,
@@ -658,6 +662,11 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="also run the library with these idle_release_s settings",
     )
+    parser.add_argument(
+        "--without-relay",
+        action="store_true",
+        help="also run the library with relay_writes=False",
+    )
     parser.add_argument("--pulsar-url", default=os.environ.get("PULSAR_SERVICE_URL"))
     parser.add_argument("--pulsar-admin-url", default=os.environ.get("PULSAR_ADMIN_URL"))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results.json"))
@@ -674,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         handovers=handovers,
         say=lambda line: print(line, file=sys.stderr, flush=True),
         idle_release_s=args.idle_release_s,
+        without_relay=args.without_relay,
         floor=floor,
     )
     print(side_by_side(results))

@@ -30,6 +30,7 @@ from ._machine import StateMachine
 from ._pending import PendingWrites
 from ._pulsar import PulsarConnection
 from ._records import RecordBuilder
+from ._relay import Relay
 from ._replica import Replica
 from ._retry import retry_transient
 from ._snapshots import SnapshotPolicy, SnapshotStore
@@ -49,11 +50,11 @@ _Resume = Literal["resumed", "rebuilt", "behind", "nothing stored"]
 S = TypeVar("S")
 Op = TypeVar("Op")
 
-# Each teardown step of a close (writer, reader, tail consumer, snapshot store, admin client,
-# Pulsar client) gets at least this long even when the close's budget is used up, so that
+# Each teardown step of a close (writer, relay, reader, tail consumer, snapshot store, admin
+# client, Pulsar client) gets at least this long even when the close's budget is used up, so that
 # nothing is left open for lack of time.
 _TEARDOWN_FLOOR_S = 1.0
-_TEARDOWN_STEPS = 6
+_TEARDOWN_STEPS = 7
 
 
 def close_budget(timeout: float) -> float:
@@ -88,6 +89,7 @@ class OpenOptions(Generic[S]):
     load_snapshot: bool
     on_progress: Callable[[ReplayProgress], None] | None
     durable_state: DurableState[S] | None = None
+    relay_writes: bool = False
 
     def __post_init__(self) -> None:
         if self.trim_history and self.snapshot_codec is None:
@@ -125,6 +127,7 @@ class Assembly(Generic[S, Op]):
         self.store: SnapshotStore | None = None
         self.snapshots: SnapshotPolicy[S] | None = None
         self.writer: Writer | None = None
+        self.relay: Relay | None = None
         self.pump_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []  # writer, deadlines (the pump is apart)
 
@@ -218,6 +221,8 @@ class Assembly(Generic[S, Op]):
             what=f"replaying {topic} to its tail",
         )
         replica.check_running()  # the replay may have stopped at a bad record: refuse to open
+        if options.relay_writes:
+            self.relay = Relay(context)
         self.writer = Writer(
             context,
             conn,
@@ -226,6 +231,7 @@ class Assembly(Generic[S, Op]):
             replica,
             RecordBuilder(self._machine, context.writer_id, context.settings),
             after_batch=self.snapshots.after_batch if self.snapshots else lambda: None,
+            relay=self.relay,
         )
         self._tasks = [
             asyncio.create_task(self.writer.run(), name=f"pulsar-state-writer-{topic}"),
@@ -233,6 +239,14 @@ class Assembly(Generic[S, Op]):
                 self._pending.watch_deadlines(), name=f"pulsar-state-deadlines-{topic}"
             ),
         ]
+        if self.relay is not None:
+            # Opened in the background: until it is, writes take the writer.
+            self._tasks.append(
+                asyncio.create_task(
+                    self.relay.open(conn, self.writer.accept_foreign),
+                    name=f"pulsar-state-relay-{topic}",
+                )
+            )
 
     async def _resume(self, durable: DurableState[S], mark: LogMark, deadline: float) -> _Resume:
         """Start from what a durable state has stored (``mark``, loaded into the replica
@@ -372,6 +386,8 @@ class Assembly(Generic[S, Op]):
             await self.snapshots.cancel()
         if self.writer is not None:
             await _bounded(self.writer.release(), left(_TEARDOWN_FLOOR_S))
+        if self.relay is not None:
+            await _bounded(self.relay.close(), left(_TEARDOWN_FLOOR_S))
         await replica.close_reader(left(_TEARDOWN_FLOOR_S))
         if self.pump_task is not None:
             await _cancel(self.pump_task)

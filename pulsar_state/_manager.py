@@ -111,6 +111,12 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         acquire_timeout_s: how long a write waits for the exclusive writer.
         takeover_after_s: after waiting this long, take the writer over with fencing
             (``ExclusiveWithFencing``). None (default) never fences another process.
+        relay_writes: while another process probably holds the writer, send this process's
+            records to it through ``non-persistent://<tenant>/<namespace>/<topic>-relay``
+            (one hop, no producer switch), and append the records others relay while this
+            process holds it. Records are checked by every replica as any record, so the
+            relay changes no guarantee; one not seen within 50 ms is retried as after a
+            failed send. False: every write takes the exclusive writer itself.
         write_timeout_s / read_timeout_s / open_timeout_s: default timeouts of those calls.
         max_record_bytes: refuse a write larger than this before sending (default 1 MiB,
             below the broker's 5 MB message limit).
@@ -170,6 +176,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         max_hold_s: float = 1.0,
         acquire_timeout_s: float = 30.0,
         takeover_after_s: float | None = None,
+        relay_writes: bool = True,
         write_timeout_s: float = 30.0,
         read_timeout_s: float = 30.0,
         open_timeout_s: float = 120.0,
@@ -208,6 +215,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             load_snapshot=load_snapshot,
             on_progress=on_progress,
             durable_state=durable_state,
+            relay_writes=relay_writes,
         )
         check_admin_headers(admin_headers)
         # The admin REST client only where it is needed: the tail comes over the binary protocol.
@@ -460,6 +468,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
     def release_writer(self) -> None:
         """Give the topic's exclusive writer up as soon as this process has no write queued
         (instead of ``idle_release_s`` after its last write); a later write takes it again.
+        Nothing with ``relay_writes``: the other process's write is then relayed here.
 
         A hint for a process that now waits for another process to write next, e.g. a lock
         request queued behind its holder: the holder's release need not wait for the writer.

@@ -50,6 +50,8 @@ class PendingWrite:
     latest_record: str | None = None
     # Records carrying an attempt that may still land; empty means "certainly not applied".
     outstanding: set[str] = field(default_factory=set)
+    # Attempts sent through the write relay (the writer takes the writer itself after a few).
+    relays: int = 0
 
 
 class RecordClaim:
@@ -100,6 +102,8 @@ class PendingWrites:
         self._in_flight: dict[str, list[PendingWrite]] = {}
         self._write_seq = itertools.count(1)
         self.wake = asyncio.Event()
+        # Set whenever the replica settles (claims or rejects) a record of ours in flight.
+        self.settled = asyncio.Event()
         # The writer's latest failure, named when a write times out (why it did not land).
         self.last_failure: BaseException | None = None
 
@@ -281,13 +285,17 @@ class PendingWrites:
     def claim(self, record_id: str) -> RecordClaim | None:
         """The replica accepts ``record_id``: hand it the writes to complete, if ours."""
         writes = self._in_flight.pop(record_id, None)
-        return RecordClaim(record_id, writes, self._stats) if writes else None
+        if not writes:
+            return None
+        self.settled.set()
+        return RecordClaim(record_id, writes, self._stats)
 
     def reject(self, record_id: str) -> None:
         """The replica ignored ``record_id`` (stale): retry the writes it decided."""
         writes = self._in_flight.pop(record_id, None)
         if not writes:
             return
+        self.settled.set()
         retry = []
         for pending in writes:
             if pending.latest_record != record_id:

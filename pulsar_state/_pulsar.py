@@ -57,6 +57,7 @@ __all__ = [
     "LogPosition",
     "PulsarConnection",
     "RawMessage",
+    "RelayChannel",
     "StateReader",
     "StateWriter",
     "TAIL_SUBSCRIPTION",
@@ -857,6 +858,79 @@ class TailProbe:
             logger.debug("closing the tail probe on %s: %s", self._topic, exc)
 
 
+class RelayChannel:
+    """A non-persistent topic that carries records from processes without the writer to the
+    process that holds it: a shared producer and this process's own subscription (every
+    process receives every relayed record; only the writer's holder appends it).
+
+    Received by a thread making blocking receives, as :class:`StateReader` reads: an async
+    receive left pending when a manager is dropped unclosed aborts the process when the
+    garbage collector destroys the consumer (measured: ``std::bad_weak_ptr``).
+    """
+
+    _POLL_MS = 100
+
+    def __init__(self, producer: Any, consumer: Any, topic: str) -> None:
+        self._producer = producer
+        self._async_consumer = consumer
+        self._consumer = consumer._consumer  # the C++ consumer under pulsar.asyncio's wrapper
+        self._topic = topic
+        self._pid = os.getpid()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def listen(self, deliver: Callable[[bytes], None]) -> None:
+        """Call ``deliver(payload)`` on the event loop for each message received."""
+        loop = asyncio.get_running_loop()
+
+        def run() -> None:
+            while not self._stop.is_set():
+                try:
+                    message = self._consumer.receive(self._POLL_MS)
+                except pulsar_exceptions.Timeout:
+                    continue
+                except Exception as exc:
+                    if not self._stop.is_set():
+                        logger.debug("receiving from %s: %s", self._topic, exc)
+                        self._stop.wait(0.1)
+                    continue
+                try:
+                    loop.call_soon_threadsafe(deliver, bytes(message.data()))
+                except RuntimeError:  # the loop is closed: nobody listens any more
+                    return
+
+        self._thread = threading.Thread(
+            target=run, name=f"pulsar-state-relay-{self._topic}", daemon=True
+        )
+        self._thread.start()
+
+    async def send(self, payload: bytes) -> None:
+        _check_process(self._pid, f"the relay on {self._topic}")
+        with translate_errors(f"relay a record through {self._topic}"):
+            await self._producer.send(payload)
+
+    def stop_at_exit(self, timeout: float) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    async def close(self) -> None:
+        if os.getpid() != self._pid:
+            return
+        self._stop.set()
+        for handle, what in ((self._producer, "producer"), (self._async_consumer, "consumer")):
+            try:
+                with translate_errors(f"close the relay {what} on {self._topic}"):
+                    await wait_bounded(handle.close(), _CLOSE_TIMEOUT_S)
+            except (PulsarStateError, TimeoutError) as exc:
+                logger.debug("closing the relay %s on %s: %s", what, self._topic, exc)
+        thread = self._thread
+        if thread is not None:
+            await close_in_own_thread_async(
+                lambda: thread.join(5.0), 6.0, f"the relay thread of {self._topic}"
+            )
+
+
 class PulsarConnection:
     """A ``pulsar.asyncio.Client`` plus the few calls the state manager makes with it."""
 
@@ -870,7 +944,8 @@ class PulsarConnection:
     ) -> None:
         self.service_url = service_url
         self._pid = os.getpid()
-        self._readers: list[StateReader] = []
+        # Threads to stop before the client closes at exit.
+        self._readers: list[StateReader | RelayChannel] = []
         self._operation_timeout_s = float(max(1, int(operation_timeout_s)))
         options: dict[str, Any] = {
             "operation_timeout_seconds": max(1, int(operation_timeout_s)),
@@ -1013,6 +1088,38 @@ class PulsarConnection:
                 what=f"open a consumer to move the trim point of {topic}",
             ),
         )
+
+    async def create_relay(self, topic: str, *, name: str) -> RelayChannel:
+        """A :class:`RelayChannel` on the non-persistent ``topic``; ``name``: this process's
+        subscription (messages sent while it is not subscribed are not kept for it)."""
+        _check_process(self._pid, "the Pulsar client")
+        with translate_errors(f"open the relay producer on {topic}"):
+            producer = await asyncio.wait_for(
+                self._client.create_producer(
+                    topic, batching_enabled=False, send_timeout_millis=5000
+                ),
+                self._operation_timeout_s,
+            )
+        try:
+            consumer = await subscribe_bounded(
+                lambda: self._client.subscribe(
+                    topic,
+                    name,
+                    consumer_type=pulsar.ConsumerType.Exclusive,
+                    receiver_queue_size=100,
+                    consumer_name=name,
+                ),
+                timeout=self._operation_timeout_s,
+                what=f"subscribe to {topic}",
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await wait_bounded(producer.close(), _CLOSE_TIMEOUT_S)
+            raise
+        channel = RelayChannel(producer, consumer, topic)
+        self._readers = [r for r in self._readers if not r._stop.is_set()]
+        self._readers.append(channel)
+        return channel
 
     async def partitions(self, topic: str) -> list[str]:
         _check_process(self._pid, "the Pulsar client")

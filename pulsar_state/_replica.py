@@ -124,6 +124,10 @@ class Replica(Generic[S, Op]):
         # The id of this history's first record (None until known): names the history in
         # snapshots and stored marks, whatever was trimmed from the log since.
         self.origin: str | None = None
+        # When (time.monotonic) a record of another process was last read: someone then held
+        # the writer, and probably still does for a moment (the writer's relay guess).
+        self.foreign_at = float("-inf")
+        self._writer_id = context.writer_id
 
     def load(
         self,
@@ -277,6 +281,8 @@ class Replica(Generic[S, Op]):
                     return
                 self.halt_with(exc)
                 return
+        if record.writer_id != self._writer_id:
+            self.foreign_at = time.monotonic()
         if record.base_position < self.version:
             self._reject(record)
         elif record.base_position == self.version and record.base_record_id == self.last_record_id:

@@ -87,6 +87,16 @@ COUNTERS: dict[str, tuple[str, str, str]] = {
         "{release}",
         "Times this manager gave the writer up (idle, turn, failure, close).",
     ),
+    "records_relayed": (
+        "pulsar_state.records.relayed",
+        "{record}",
+        "Records relayed through the process holding the writer.",
+    ),
+    "relayed_appended": (
+        "pulsar_state.relayed.appended",
+        "{record}",
+        "Records of other processes appended as the writer's holder.",
+    ),
     "snapshots_written": ("pulsar_state.snapshots.written", "{snapshot}", "Snapshots written."),
     "history_trims": (
         "pulsar_state.history.trims",

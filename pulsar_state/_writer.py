@@ -3,13 +3,22 @@
 It holds the producer while writes keep coming and releases it when idle (``idle_release_s``)
 or after ``max_hold_s`` so that other processes get a turn. It never changes the state: it
 builds records against the replica's state and waits for the replica to settle them.
+
+With a :class:`~._relay.Relay`, a process without the producer sends its records to the
+process that probably holds it (one whose record was read within ``idle_release_s``), and
+the holder appends the records it receives, first, as they are. Records relayed that are not
+seen within ``_RELAY_PATIENCE_S`` are handled as after a failed send: the writer is taken,
+the log caught up with, and the writes not seen are retried.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -22,8 +31,9 @@ from tenacity import (
 )
 
 from ._context import Context
-from ._envelope import Record
+from ._envelope import Record, decode_record
 from ._errors import (
+    CorruptRecordError,
     OperationTimeoutError,
     PulsarStateError,
     RecordTooLargeError,
@@ -32,6 +42,7 @@ from ._errors import (
 from ._pending import PendingWrite, PendingWrites
 from ._pulsar import LogPosition, PulsarConnection, StateWriter
 from ._records import OutgoingRecord, RecordBuilder
+from ._relay import TURN_REQUEST, Relay
 from ._retry import backoff, is_transient, retry_transient
 from ._tail import Tail
 
@@ -49,6 +60,21 @@ _TURN_PAUSE_S = 0.05
 _ACQUIRE_ATTEMPT_S = 10.0
 # take_ahead() is a hint: it tries this long for a writer another process holds, then drops it.
 _AHEAD_BUDGET_S = 1.0
+# A relayed record is settled in milliseconds when a process holds the writer; one not seen
+# after this long probably reached nobody, so the writer is taken instead.
+_RELAY_PATIENCE_S = 0.05
+# A write whose relayed records were ignored (stale) this many times takes the writer.
+_RELAY_TRIES = 3
+# A failed creation of the producer (another process holds it) counts as a sign of a holder
+# to relay to for this long.
+_BUSY_FRESH_S = 0.01
+# With a relay, the holder gives others a turn after max_hold_s only when one asks for it
+# (their writes are relayed meanwhile), or after this many times max_hold_s (for processes
+# without the relay, which can only poll).
+_UNASKED_TURN_FACTOR = 10
+# Records relayed by others, waiting for the holder to append them: more are dropped (their
+# senders take the writer after _RELAY_PATIENCE_S).
+_MAX_FOREIGN = 1000
 
 
 class ReadSide(Protocol):
@@ -65,6 +91,9 @@ class ReadSide(Protocol):
 
     @property
     def halt(self) -> PulsarStateError | None: ...
+
+    @property
+    def foreign_at(self) -> float: ...
 
     async def wait_log(self, target: LogPosition | None) -> None: ...
 
@@ -99,6 +128,7 @@ class Writer:
         replica: ReadSide,
         builder: RecordBuilder[Any, Any],
         after_batch: Callable[[], None],
+        relay: Relay | None = None,
     ) -> None:
         self._context = context
         self._conn = conn
@@ -114,6 +144,16 @@ class Writer:
         self._producer_since = 0.0
         self._release_when_idle = False  # release_soon(): skip the idle wait once
         self._take_ahead = False  # take_ahead(): acquire before any write is queued
+        self._relay = relay
+        # Records other processes relayed, received while this one holds the producer.
+        self._foreign: deque[bytes] = deque()
+        # Records this process relayed that were not seen in time: the writer is taken, the
+        # log caught up with, then their writes are retried unless seen by then.
+        self._relayed: list[OutgoingRecord[PendingWrite]] = []
+        self._relay_landed_at = float("-inf")  # a relayed record of ours was appended
+        self._relay_quiet_until = float("-inf")  # no relaying until then (one went unseen)
+        self._turn_requested = False  # another process asked for the writer
+        self._busy_seen_at = float("-inf")  # creating the producer found it held
 
     async def run(self) -> None:
         """Serve the write queue until the manager closes or the replica halts; a failed
@@ -147,7 +187,13 @@ class Writer:
         pending, wake = self._pending, self._pending.wake
         loop = asyncio.get_running_loop()
         while not self._context.closed and self._replica.halt is None:
-            if not pending.queue:
+            if self._foreign:
+                if self._producer is None:
+                    self._foreign.clear()  # released since they came: their senders retry
+                else:
+                    await self._append_foreign()
+                    continue
+            if not pending.queue and not self._relayed:
                 wake.clear()
                 if self._producer is None:
                     self._release_when_idle = False  # nothing held: the hint is spent
@@ -168,18 +214,26 @@ class Writer:
                 continue
             # Deadlines are the watchdog's job; here only finished writes are dropped.
             pending.drop_finished_head()
-            if not pending.queue:
+            if not pending.queue and not self._relayed:
                 continue
             held_for = loop.time() - self._producer_since
-            if self._producer is not None and held_for > self._settings.max_hold_s:
+            if self._producer is not None and self._turn_due(held_for):
                 # Let writers in other processes have a turn; they poll for the writer.
+                self._turn_requested = False
                 await self.release()
                 await asyncio.sleep(_TURN_PAUSE_S)
                 continue
             if self._producer is None:
+                if not self._relayed and self._relay_first():
+                    await self._relay_batch()
+                    continue
+                if self._holder_likely():
+                    await self._request_turn()  # its relayed writes kept losing: poll
                 await self._acquire()
                 if self._producer is None:
                     continue  # every queued write expired while waiting for the writer
+            if not pending.queue:
+                continue  # only relayed writes were waiting: retried (or seen) by _acquire
             await self._write_batch()
             self._after_batch()
 
@@ -201,7 +255,7 @@ class Writer:
             budget = min(settings.acquire_timeout_s, _AHEAD_BUDGET_S)
             takeover = None
         else:
-            budget = max(0.0, min(settings.acquire_timeout_s, pending.latest_deadline() - started))
+            budget = max(0.0, min(settings.acquire_timeout_s, self._latest_deadline() - started))
             takeover = settings.takeover_after_s
         topic = str(self._topic)
         try:
@@ -217,25 +271,37 @@ class Writer:
                     if ahead and pending.queue:
                         # A write came: acquire for it instead (its budget, its takeover).
                         return
-                    if not pending.queue and not ahead:
+                    if not pending.queue and not ahead and not self._relayed_waiting():
                         return
                     fencing = takeover is not None and loop.time() - started >= takeover
                     if fencing:
                         logger.warning("taking over the writer of %s with fencing", topic)
-                    self._producer = await self._conn.create_writer(
-                        topic,
-                        fencing=fencing,
-                        send_timeout_s=min(settings.write_timeout_s, 30.0),
-                        # Capped: a creation hanging through a broker restart (apache/pulsar
-                        # #10721) must not use up the whole budget in one attempt.
-                        timeout_s=max(
-                            1.0, min(_ACQUIRE_ATTEMPT_S, budget - (loop.time() - started))
-                        ),
-                    )
+                    try:
+                        self._producer = await self._conn.create_writer(
+                            topic,
+                            fencing=fencing,
+                            send_timeout_s=min(settings.write_timeout_s, 30.0),
+                            # Capped: a creation hanging through a broker restart (apache/
+                            # pulsar #10721) must not use up the whole budget in one attempt.
+                            timeout_s=max(
+                                1.0, min(_ACQUIRE_ATTEMPT_S, budget - (loop.time() - started))
+                            ),
+                        )
+                    except WriterBusyError:
+                        if ahead or not self._may_relay():
+                            raise
+                        # Held for sure: the serve loop relays the queued writes instead.
+                        self._busy_seen_at = time.monotonic()
+                        return
         except WriterBusyError:
             if ahead:
                 raise
             waited = loop.time() - started
+            for relayed in self._relayed:
+                for waiting in relayed.writes:
+                    if not waiting.future.done():
+                        pending.fail_timeout(waiting)  # sent: its outcome is unknown
+            self._relayed = []
             for waiting in pending.queue:
                 if waiting.future.done():
                     continue
@@ -259,6 +325,177 @@ class Writer:
         logger.debug("acquired the writer of %s", topic)
         # Exclusive from here on: catch up with everything appended before we got it.
         await self._bounded(self._catch_up(), "catching up after acquiring the writer")
+        if self._relayed:
+            # Nothing relayed can be appended now but by us: retry what did not land.
+            self._pending.requeue_unseen(self._relayed)
+            self._relayed = []
+
+    def _relayed_waiting(self) -> bool:
+        return any(not w.future.done() for o in self._relayed for w in o.writes)
+
+    def _latest_deadline(self) -> float:
+        relayed = [w.deadline for o in self._relayed for w in o.writes if not w.future.done()]
+        queued = [w.deadline for w in self._pending.queue]
+        return max(queued + relayed, default=asyncio.get_running_loop().time())
+
+    # ------------------------------------------------------------------ the relay
+
+    def accept_foreign(self, payload: bytes) -> None:
+        """A record another process relayed: appended next if this process holds the writer
+        (dropped otherwise: its sender takes the writer when it is not seen)."""
+        if self._producer is None or len(self._foreign) >= _MAX_FOREIGN:
+            return
+        if payload == TURN_REQUEST:
+            self._turn_requested = True
+            return
+        self._foreign.append(payload)
+        self._pending.wake.set()
+
+    def _turn_due(self, held_for: float) -> bool:
+        max_hold = self._settings.max_hold_s
+        if held_for <= max_hold:
+            return False
+        if self._relay is None or not self._relay.ready or self._turn_requested:
+            return True
+        return held_for > _UNASKED_TURN_FACTOR * max_hold
+
+    async def _request_turn(self) -> None:
+        relay = self._relay
+        assert relay is not None
+        try:
+            await relay.send(TURN_REQUEST)
+        except (PulsarStateError, TimeoutError) as exc:  # a hint: the holder's turns come anyway
+            logger.debug("asking for a turn on %s: %s", relay.topic, exc)
+
+    def _holder_likely(self) -> bool:
+        """Whether another process probably holds the writer and the relay reaches it: its
+        record, or a relayed one of ours, was read within half ``idle_release_s``."""
+        relay = self._relay
+        if relay is None or not relay.ready:
+            return False
+        now = time.monotonic()
+        if now < self._relay_quiet_until:
+            return False
+        if now - self._busy_seen_at < _BUSY_FRESH_S:
+            return True
+        seen = max(self._replica.foreign_at, self._relay_landed_at)
+        # Half: the holder's idle countdown started before we read its record.
+        return now - seen < self._settings.idle_release_s / 2
+
+    def _may_relay(self) -> bool:
+        """Whether the queued writes may be relayed (the relay is up, no relayed record is
+        waiting to be settled, and none of them lost too often)."""
+        relay = self._relay
+        if relay is None or not relay.ready or self._relayed:
+            return False
+        if time.monotonic() < self._relay_quiet_until:
+            return False
+        return all(w.relays < _RELAY_TRIES for w in self._pending.queue)
+
+    def _relay_first(self) -> bool:
+        """Whether to relay the next batch rather than take the writer."""
+        return self._may_relay() and self._holder_likely()
+
+    async def _relay_batch(self) -> None:
+        relay, pending = self._relay, self._pending
+        assert relay is not None
+        records = await self._build_batch()
+        if not records:
+            return
+        pending.launch(records)
+        for outgoing in records:
+            for write in outgoing.writes:
+                write.relays += 1
+        try:
+            await asyncio.gather(*(relay.send(outgoing.payload) for outgoing in records))
+        except (PulsarStateError, TimeoutError) as exc:
+            logger.debug("relaying to %s: %s; taking the writer", relay.topic, exc)
+            self._relayed = records  # may have gone out: settled as after a failed send
+            self._relay_quiet_until = time.monotonic() + self._settings.idle_release_s
+            return
+        if await self._settled(records, _RELAY_PATIENCE_S):
+            self._relay_landed_at = time.monotonic()
+            return
+        unseen = [o for o in records if pending.in_flight(o.record.record_id)]
+        logger.debug(
+            "%d record(s) relayed to %s not seen in %.0f ms; taking the writer",
+            len(unseen),
+            relay.topic,
+            _RELAY_PATIENCE_S * 1000,
+        )
+        self._relayed = unseen
+        self._relay_quiet_until = time.monotonic() + self._settings.idle_release_s
+
+    async def _settled(self, records: list[OutgoingRecord[PendingWrite]], within: float) -> bool:
+        """Wait until the replica settled every one of ``records`` (True), or ``within``."""
+        pending, replica = self._pending, self._replica
+        deadline = time.monotonic() + within
+        while any(pending.in_flight(o.record.record_id) for o in records):
+            left = deadline - time.monotonic()
+            if left <= 0 or replica.halt is not None or self._context.closed:
+                return False
+            pending.settled.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await pending.settled.wait()
+        return True
+
+    async def _append_foreign(self) -> None:
+        """Append the records other processes relayed, each as it came (the replicas decide,
+        as for any record), and read them back before this process builds on the state."""
+        producer, replica = self._producer, self._replica
+        assert producer is not None
+        batch: list[tuple[bytes, Record]] = []
+        while self._foreign:
+            payload = self._foreign.popleft()
+            try:
+                record = decode_record(payload, message_id=f"relayed on {self._topic}")
+            except CorruptRecordError as exc:
+                logger.warning("dropping a record relayed on %s: %s", self._topic, exc)
+                continue
+            fits = record.base_position < replica.version or (
+                record.base_position == replica.version
+                and record.base_record_id == replica.last_record_id
+            )
+            if not fits:
+                # Built on a history this replica does not have (a forked or deleted one):
+                # appended, it would halt every replica. Its sender finds out by itself.
+                logger.warning(
+                    "dropping record %s relayed on %s: based on %d/%r, the log is at %d/%r",
+                    record.record_id,
+                    self._topic,
+                    record.base_position,
+                    record.base_record_id,
+                    replica.version,
+                    replica.last_record_id,
+                )
+                continue
+            batch.append((payload, record))
+        if not batch:
+            return
+        sends = [
+            asyncio.ensure_future(producer.send(payload, key=record.record_id))
+            for payload, record in batch
+        ]
+        acked: list[LogPosition] = []
+        failure: BaseException | None = None
+        for (payload, record), send in zip(batch, sends, strict=True):
+            try:
+                at = await send
+            except Exception as exc:
+                failure = failure or exc
+                continue
+            acked.append(at)
+            replica.apply_own(payload, record, at)
+        self._stats.relayed_appended += len(acked)
+        if acked and not replica.reached(max(acked)):
+            await self._bounded(replica.wait_log(max(acked)), "reading back relayed records")
+        if failure is not None:
+            # Their senders see them or not, and retry; this writer starts over.
+            await self.release()
+            if isinstance(failure, PulsarStateError):
+                raise failure
+            raise PulsarStateError(f"appending relayed records failed: {failure}") from failure
 
     async def _catch_up(self) -> None:
         deadline = asyncio.get_running_loop().time() + self._settings.write_timeout_s
@@ -281,13 +518,17 @@ class Writer:
         the next write then skips the producer's creation. Held as after a write: released
         after ``idle_release_s`` without one."""
         self._release_when_idle = False
-        if self._producer is None:
+        if self._producer is None and not self._holder_likely():
+            # (Held elsewhere: the write that comes is relayed to its holder instead.)
             self._take_ahead = True
             self._pending.wake.set()
 
     def release_soon(self) -> None:
         """Release the writer as soon as no write is queued, without the idle wait (also
-        when it is taken again first, e.g. after a failed send or a ``max_hold_s`` turn)."""
+        when it is taken again first, e.g. after a failed send or a ``max_hold_s`` turn).
+        Not with a relay: the other process's write then comes through this one."""
+        if self._relay is not None and self._relay.ready:
+            return
         self._release_when_idle = True
         self._pending.wake.set()
 
@@ -298,9 +539,9 @@ class Writer:
             await producer.close()
             logger.debug("released the writer of %s", self._topic)
 
-    async def _write_batch(self) -> None:
-        producer = self._producer
-        assert producer is not None
+    async def _build_batch(self) -> list[OutgoingRecord[PendingWrite]]:
+        """The records of the next batch of queued writes (built on the replica's state);
+        the writes that append nothing are settled here."""
         pending, replica = self._pending, self._replica
         batch = pending.take(self._settings.max_writes_per_batch)
         built = self._builder.build(
@@ -317,10 +558,16 @@ class Writer:
             culprit, error = built.halt
             culprit.future.set_exception(error)
             replica.halt_with(error)
-            return
+            return []
         if built.unchanged:
             await self._settle_unchanged(built.unchanged)
-        records = built.records
+        return built.records
+
+    async def _write_batch(self) -> None:
+        producer = self._producer
+        assert producer is not None
+        pending, replica = self._pending, self._replica
+        records = await self._build_batch()
         if not records:
             return
         pending.launch(records)

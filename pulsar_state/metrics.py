@@ -62,6 +62,14 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "pulsar_state_writer_releases",
         "Times this manager gave the writer up (idle, turn, failure, close).",
     ),
+    "records_relayed": (
+        "pulsar_state_records_relayed",
+        "Records this manager relayed through the process holding the writer.",
+    ),
+    "relayed_appended": (
+        "pulsar_state_relayed_appended",
+        "Records of other processes this manager appended as the writer's holder.",
+    ),
     "snapshots_written": ("pulsar_state_snapshots_written", "Snapshots this manager wrote."),
     "history_trims": (
         "pulsar_state_history_trims",

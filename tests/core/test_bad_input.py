@@ -271,10 +271,13 @@ async def test_in_place_apply_with_copy_state_none_is_caught(
 async def test_busy_writer_times_out_with_writer_busy(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
+    # Without the write relay (the waiter's write would go through the holder).
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
     async with (
         counter_manager(service_url, topic, admin_url, **hold) as holder,
-        counter_manager(service_url, topic, admin_url, acquire_timeout_s=1.5) as waiter,
+        counter_manager(
+            service_url, topic, admin_url, acquire_timeout_s=1.5, relay_writes=False
+        ) as waiter,
     ):
         await holder.write(lambda s: [incr()])
         with pytest.raises(WriterBusyError) as busy:
@@ -286,10 +289,13 @@ async def test_busy_writer_times_out_with_writer_busy(
 async def test_takeover_with_fencing_after_configured_wait(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
+    # Without the write relay (the taker's writes would go through `stuck`, which appends).
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
     async with (
         counter_manager(service_url, topic, admin_url, **hold) as stuck,
-        counter_manager(service_url, topic, admin_url, takeover_after_s=0.5) as taker,
+        counter_manager(
+            service_url, topic, admin_url, takeover_after_s=0.5, relay_writes=False
+        ) as taker,
     ):
         await stuck.write(lambda s: [incr("stuck-1")])
         await taker.write(lambda s: [incr("taker-1")])  # fences `stuck`
@@ -304,10 +310,12 @@ async def test_takeover_with_fencing_after_configured_wait(
 async def test_write_timeout_is_enforced_while_waiting_for_the_writer(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
     async with (
         counter_manager(service_url, topic, admin_url, **hold) as holder,
-        counter_manager(service_url, topic, admin_url, acquire_timeout_s=3600) as waiter,
+        counter_manager(
+            service_url, topic, admin_url, acquire_timeout_s=3600, relay_writes=False
+        ) as waiter,
     ):
         await holder.write(lambda s: [incr()])
         with pytest.raises((OperationTimeoutError, WriterBusyError)) as timed_out:

@@ -106,6 +106,44 @@ def test_completion_after_the_event_loop_closed_does_not_abort(broker: Broker) -
     assert "survived" in done.stdout
 
 
+def test_a_manager_left_open_after_its_loop_is_collected_without_abort(broker: Broker) -> None:
+    # A manager opened in asyncio.run and dropped unclosed after it: collecting it destroys
+    # its client's consumers. The write relay's consumer once had an async receive pending
+    # then, and the garbage collector aborted the process (std::bad_weak_ptr).
+    program = textwrap.dedent(
+        """
+        import asyncio, gc, sys
+        import pulsar_state
+
+        async def main():
+            manager = pulsar_state.SharedStateManager(
+                sys.argv[1], sys.argv[2], initial_state=dict, apply=lambda s, op: None,
+                check_topic=False,
+            )
+            await manager.open()
+            await manager.write(lambda s: [{"k": 1}])
+            await asyncio.sleep(0.3)  # the relay is open
+            return manager
+
+        manager = asyncio.run(main())
+        del manager
+        gc.collect()
+        asyncio.run(asyncio.sleep(0.5))
+        gc.collect()
+        print("survived")
+        """
+    )
+    topic = f"persistent://public/default/test-left-open-{os.urandom(4).hex()}"
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", program, broker.service_url, topic],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "survived" in done.stdout
+
+
 def test_client_log_reaches_python_logging_not_stdout(broker: Broker, topic: str) -> None:
     # In a process of its own: the C++ client keeps the logger of the process's first client.
     program = textwrap.dedent(

@@ -146,10 +146,13 @@ async def test_reopen_replays_history_with_progress(
 async def test_close_releases_the_writer_at_once(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    a = counter_manager(service_url, topic, admin_url, idle_release_s=3600, max_hold_s=3600)
+    # Without the write relay (b's write would go through a).
+    hold = {"idle_release_s": 3600, "max_hold_s": 3600, "relay_writes": False}
+    a = counter_manager(service_url, topic, admin_url, **hold)
     await a.open()
     await a.write(lambda s: [incr()])  # a now holds the exclusive producer, and would keep it
-    async with counter_manager(service_url, topic, admin_url, acquire_timeout_s=20) as b:
+    no_relay = {"acquire_timeout_s": 20, "relay_writes": False}
+    async with counter_manager(service_url, topic, admin_url, **no_relay) as b:
         started = time.monotonic()
         write = asyncio.create_task(b.write(lambda s: [incr()]))
         await asyncio.sleep(0.5)
@@ -255,10 +258,14 @@ async def hint_while_another_holds_the_writer(
     service_url: str, admin_url: str, topic: str
 ) -> AsyncIterator[tuple[Any, Any]]:
     """(b, a): b wrote once and keeps the writer; a (which fences holders for its own writes
-    after 0.2 s) has just taken the hint take_writer()."""
+    after 0.2 s) has just taken the hint take_writer(). Without the write relay (a's writes
+    would go through b)."""
+    hold = {"idle_release_s": 60.0, "max_hold_s": 60.0, "relay_writes": False}
     async with (
-        counter_manager(service_url, topic, admin_url, idle_release_s=60.0, max_hold_s=60.0) as b,
-        counter_manager(service_url, topic, admin_url, takeover_after_s=0.2) as a,
+        counter_manager(service_url, topic, admin_url, **hold) as b,
+        counter_manager(
+            service_url, topic, admin_url, takeover_after_s=0.2, relay_writes=False
+        ) as a,
     ):
         await b.write(lambda s: [incr()])
         a.take_writer()
@@ -302,9 +309,14 @@ async def test_release_writer_gives_the_writer_up_without_the_idle_wait(
 ) -> None:
     # b would keep the exclusive writer for a minute after its write; release_writer() hands
     # it over at once, so a's write gets in well inside its own (much shorter) timeout.
+    # (Without the write relay, which makes release_writer() a no-op.)
     async with (
-        counter_manager(service_url, topic, admin_url, idle_release_s=60.0) as b,
-        counter_manager(service_url, topic, admin_url, acquire_timeout_s=10.0) as a,
+        counter_manager(
+            service_url, topic, admin_url, idle_release_s=60.0, relay_writes=False
+        ) as b,
+        counter_manager(
+            service_url, topic, admin_url, acquire_timeout_s=10.0, relay_writes=False
+        ) as a,
     ):
         await b.write(lambda s: [incr()])
         b.release_writer()

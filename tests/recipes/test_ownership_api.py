@@ -355,11 +355,14 @@ async def test_a_holder_takes_the_writer_when_a_request_queues_behind_it(
     service_url: str, admin_url: str, topic: str
 ) -> None:
     # Its release comes next: the writer (an exclusive producer, slow to create) is taken
-    # while the waiter queues, so the release itself is only a send.
+    # while the waiter queues, so the release itself is only a send. (Without the write
+    # relay: with it, a request comes through the holder of the writer, never taking it.)
     async with (
-        owners(service_url, topic, admin_url, owner="a", idle_release_s=2.0) as a,
-        owners(service_url, topic, admin_url, owner="b") as b,
-        owners(service_url, topic, admin_url, owner="c") as c,
+        owners(
+            service_url, topic, admin_url, owner="a", idle_release_s=2.0, relay_writes=False
+        ) as a,
+        owners(service_url, topic, admin_url, owner="b", relay_writes=False) as b,
+        owners(service_url, topic, admin_url, owner="c", relay_writes=False) as c,
     ):
         held = await a.acquire("x", ttl=60)  # no renewal (a write) during the test
         await until(lambda: a.manager.stats.writer_releases == 1, "a's writer released")
@@ -414,10 +417,15 @@ async def test_keep_alive_renews_until_release_and_not_after(
 async def test_only_a_release_that_frees_a_waiter_is_prepared_for(
     service_url: str, admin_url: str, topic: str
 ) -> None:
+    # (Without the write relay, as above.)
     async with (
-        owners(service_url, topic, admin_url, owner="a", idle_release_s=0.3) as a,
-        owners(service_url, topic, admin_url, owner="b") as b,
-        owners(service_url, topic, admin_url, owner="c", idle_release_s=0.3) as c,
+        owners(
+            service_url, topic, admin_url, owner="a", idle_release_s=0.3, relay_writes=False
+        ) as a,
+        owners(service_url, topic, admin_url, owner="b", relay_writes=False) as b,
+        owners(
+            service_url, topic, admin_url, owner="c", idle_release_s=0.3, relay_writes=False
+        ) as c,
     ):
         held = await a.acquire("x", ttl=60)
         waiting = asyncio.ensure_future(b.acquire("x", ttl=60, timeout=30))

@@ -1,0 +1,163 @@
+"""The write relay: records of a process without the writer, appended by the process holding it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+import pulsar.asyncio as pulsar_asyncio
+import pytest
+
+from pulsar_state import SharedStateManager
+from pulsar_state._envelope import Record, Write, encode_record
+from pulsar_state._relay import TURN_REQUEST
+from tests.core.helpers import Counter, counter_manager, incr
+from tests.support.waiting import until
+
+# Keeps the writer once it has it (no idle release, no turns).
+HOLD = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
+
+
+def relay_ready(manager: SharedStateManager[Any, Any]) -> bool:
+    relay = manager._parts.relay
+    return relay is not None and relay.ready
+
+
+async def test_a_write_is_relayed_through_the_process_holding_the_writer(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Without the relay the other write waits for the holder's writer forever (its
+    # acquire_timeout_s); with it, it lands through the holder, once.
+    async with (
+        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
+        counter_manager(service_url, topic, admin_url, acquire_timeout_s=2.0) as other,
+    ):
+        await holder.write(lambda s: [incr("holder")])
+        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
+        result = await other.write(lambda s: [incr("other")], reader=lambda s: s["count"])
+        assert result.value == 2
+        assert other.stats.writer_acquisitions == 0
+        assert other.stats.records_relayed == 1
+        assert holder.stats.relayed_appended == 1
+        for manager in (holder, other):
+            state = await manager.read(lambda s: s, latest=True)
+            assert state["count"] == 2
+            assert state["seen"] == {"holder": 1, "other": 1}
+
+
+async def test_relayed_writes_under_contention_apply_exactly_once(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Stale relayed records (built before the holder's latest) are ignored by every replica
+    # and their writes retried; nothing is lost or applied twice.
+    managers = [counter_manager(service_url, topic, admin_url) for _ in range(4)]
+    for manager in managers:
+        await manager.open()
+    try:
+        await until(lambda: all(relay_ready(m) for m in managers), "the relays open")
+
+        async def writes(index: int, manager: SharedStateManager[Counter, Any]) -> None:
+            for n in range(40):
+                await manager.write(lambda s, n=n: [incr(f"{index}-{n}")])
+                await asyncio.sleep(random.uniform(0, 0.004))
+
+        await asyncio.gather(*(writes(i, m) for i, m in enumerate(managers)))
+        assert sum(m.stats.records_relayed for m in managers) > 0
+        for manager in managers:
+            state = await manager.read(lambda s: s, latest=True)
+            assert state["count"] == 160
+            assert set(state["seen"].values()) == {1}
+            assert len(state["seen"]) == 160
+    finally:
+        for manager in managers:
+            await manager.aclose()
+
+
+async def test_a_relayed_record_nobody_appends_lands_once_through_the_writer(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The holder has no relay: the relayed record reaches nobody. The writer goes back to
+    # polling for the writer, and once it has it, retries the write it did not see: once.
+    async with (
+        counter_manager(service_url, topic, admin_url, relay_writes=False, **HOLD) as holder,
+        counter_manager(service_url, topic, admin_url) as other,
+    ):
+        await holder.write(lambda s: [incr("holder")])
+        await until(lambda: relay_ready(other), "the relay opens")
+        write = asyncio.ensure_future(other.write(lambda s: [incr("other")]))
+        await until(lambda: other.stats.records_relayed == 1, "the write relayed")
+        await asyncio.sleep(0.3)  # well past the relay's patience: polling for the writer
+        assert not write.done()
+        holder.release_writer()
+        await asyncio.wait_for(write, 10)
+        assert other.stats.writer_acquisitions == 1
+        for manager in (holder, other):
+            state = await manager.read(lambda s: s, latest=True)
+            assert state["seen"] == {"holder": 1, "other": 1}
+
+
+async def test_a_holder_drops_what_it_cannot_append_and_goes_on(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Bad input on the relay topic (anyone may publish there): not a record, and a record
+    # built on another history (appended, it would halt every replica as a fork). Both are
+    # dropped with a warning; a turn request from a stranger only asks for a turn.
+    caplog.set_level(logging.WARNING, logger="pulsar_state")
+    async with (
+        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
+        counter_manager(service_url, topic, admin_url) as other,
+    ):
+        await holder.write(lambda s: [incr("holder")])
+        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
+        relay = holder._parts.relay
+        assert relay is not None
+        forked = Record("stranger", 1, 7, "stranger/0", [Write(1, [b'{"op": "incr"}'])])
+        client = pulsar_asyncio.Client(service_url, operation_timeout_seconds=15)
+        try:
+            producer = await client.create_producer(relay.topic)
+            for payload in (b"not a record", encode_record(forked), TURN_REQUEST):
+                await producer.send(payload)
+            await producer.close()
+        finally:
+            await client.close()
+        await until(
+            lambda: sum("dropping" in r.getMessage() for r in caplog.records) >= 2,
+            "both dropped",
+        )
+        await other.write(lambda s: [incr("other")])
+        assert holder.halted is None
+        assert other.halted is None
+        assert holder.stats.relayed_appended == 1
+        for manager in (holder, other):
+            state = await manager.read(lambda s: s, latest=True)
+            assert state["seen"] == {"holder": 1, "other": 1}
+
+
+async def test_a_process_without_the_relay_still_gets_its_turn(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A holder with a relay gives turns only when asked (others' writes are relayed), but
+    # still one after 10 x max_hold_s, or a process without the relay, which can only poll
+    # for the writer, would never write while the holder keeps writing.
+    async with (
+        counter_manager(service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.2) as busy,
+        counter_manager(service_url, topic, admin_url, relay_writes=False) as poller,
+    ):
+        await until(lambda: relay_ready(busy), "the relay opens")
+        stop = asyncio.Event()
+
+        async def keep_writing() -> None:
+            while not stop.is_set():
+                await busy.write(lambda s: [incr()])
+
+        writing = asyncio.ensure_future(keep_writing())
+        try:
+            await asyncio.sleep(0.3)  # past max_hold_s: no turn given unasked yet
+            await poller.write(lambda s: [incr("poller")], timeout=15.0)
+        finally:
+            stop.set()
+            await writing
+        assert (await poller.read(lambda s: s["seen"], latest=True))["poller"] == 1
+        assert busy.stats.writer_releases >= 1
