@@ -95,7 +95,7 @@ COUNTERS: dict[str, tuple[str, str, str]] = {
     "relayed_appended": (
         "pulsar_state.relayed.appended",
         "{record}",
-        "Records of other processes appended as the writer's holder.",
+        "Records of other processes appended as the writer (in records.sent too).",
     ),
     "snapshots_written": ("pulsar_state.snapshots.written", "{snapshot}", "Snapshots written."),
     "history_trims": (

@@ -126,7 +126,8 @@ class ManagerStats:
     # Times this manager took the writer by fencing its holder, and gave the writer up.
     writer_fencings: int = 0
     writer_releases: int = 0
-    # Records this manager relayed through the writer's holder, and appended for others.
+    # Records this manager relayed through the writer's holder, and appended for others (as
+    # the writer: those count in records_sent too).
     records_relayed: int = 0
     relayed_appended: int = 0
     # From submit to outcome, per write of this manager; per record applied by the replica.

@@ -154,6 +154,9 @@ class Writer:
         self._relay_quiet_until = float("-inf")  # no relaying until then (one went unseen)
         self._turn_requested = False  # another process asked for the writer
         self._busy_seen_at = float("-inf")  # creating the producer found it held
+        # Records read before the writer started (the opening replay) say nothing of who
+        # holds the writer now.
+        self._started_at = time.monotonic()
 
     async def run(self) -> None:
         """Serve the write queue until the manager closes or the replica halts; a failed
@@ -192,6 +195,7 @@ class Writer:
                     self._foreign.clear()  # released since they came: their senders retry
                 else:
                     await self._append_foreign()
+                    self._after_batch()  # the holder takes the snapshots that fall due
                     continue
             if not pending.queue and not self._relayed:
                 wake.clear()
@@ -380,7 +384,7 @@ class Writer:
             return True
         seen = max(self._replica.foreign_at, self._relay_landed_at)
         # Half: the holder's idle countdown started before we read its record.
-        return now - seen < self._settings.idle_release_s / 2
+        return seen > self._started_at and now - seen < self._settings.idle_release_s / 2
 
     def _may_relay(self) -> bool:
         """Whether the queued writes may be relayed (the relay is up, no relayed record is
@@ -487,6 +491,7 @@ class Writer:
                 continue
             acked.append(at)
             replica.apply_own(payload, record, at)
+        self._stats.records_sent += len(batch)
         self._stats.relayed_appended += len(acked)
         if acked and not replica.reached(max(acked)):
             await self._bounded(replica.wait_log(max(acked)), "reading back relayed records")

@@ -68,7 +68,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "relayed_appended": (
         "pulsar_state_relayed_appended",
-        "Records of other processes this manager appended as the writer's holder.",
+        "Records of other processes this manager appended as the writer (in records_sent too).",
     ),
     "snapshots_written": ("pulsar_state_snapshots_written", "Snapshots this manager wrote."),
     "history_trims": (

@@ -19,9 +19,12 @@ write set, and releases them), as a table replicated through one Pulsar topic (s
   own clock says a lease is past due (``reap=True``), so a dead holder's resources are freed
   about ``ttl`` after its last renewal even when nobody else writes.
 
-Handover: a request that has to wait gives the topic's writer up at once (the holder writes
-next), and a holder whose release alone would grant a request that just queued takes the
-writer ahead (``take_writer``), so a release within ``idle_release_s`` of it is one send.
+Handover: with the core's write relay (``relay_writes``, the default), a request, renewal or
+release from a process that does not hold the topic's writer goes through the process that
+does, so the topic's writer rarely changes hands while processes take turns on a lock.
+Without it, a request that has to wait gives the writer up at once (the holder writes next),
+and a holder whose release alone would grant a request that just queued takes the writer
+ahead (``take_writer``), so a release within ``idle_release_s`` of it is one send.
 
 Failure semantics: as the core's. A call that times out raises
 :class:`~pulsar_state.OperationTimeoutError` (``acquire`` then withdraws its request); errors

@@ -70,8 +70,9 @@ async def test_manager_write_read_and_latest_read_as_least_privileged_role(
     secured_broker: SecuredBroker, secured_topic: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="pulsar_state")
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}  # the writer keeps the writer
     async with (
-        _manager(secured_broker, secured_topic, secured_broker.app_token) as writer,
+        _manager(secured_broker, secured_topic, secured_broker.app_token, **hold) as writer,
         _manager(secured_broker, secured_topic, secured_broker.app_token) as reader,
     ):
         result = await writer.write(lambda s: [{"key": "a", "value": 1}])
@@ -79,6 +80,17 @@ async def test_manager_write_read_and_latest_read_as_least_privileged_role(
         assert await writer.read(lambda s: dict(s)) == {"a": 1}
         # The other replica's linearizable read captures the tail as this role too.
         assert await reader.read(lambda s: dict(s), latest=True) == {"a": 1}
+        # The write relay opens for this role too: the other replica's write goes through
+        # the process holding the writer.
+        for _ in range(int(WAIT_S * 10)):
+            if reader._parts.relay is not None and reader._parts.relay.ready:
+                break
+            await asyncio.sleep(0.1)
+        await writer.write(lambda s: [{"key": "a", "value": 2}])
+        await reader.write(lambda s: [{"key": "b", "value": 3}])
+        assert await writer.read(lambda s: dict(s), latest=True) == {"a": 2, "b": 3}
+        assert reader.stats.records_relayed == 1
+        assert writer.stats.relayed_appended == 1
     # The policies this role may not read are named, with how an operator checks them.
     warnings = _policy_warnings(caplog)
     assert len(warnings) == 2, warnings  # one per open
