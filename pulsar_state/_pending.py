@@ -50,8 +50,10 @@ class PendingWrite:
     latest_record: str | None = None
     # Records carrying an attempt that may still land; empty means "certainly not applied".
     outstanding: set[str] = field(default_factory=set)
-    # Attempts sent through the write relay (the writer takes the writer itself after a few).
+    # Attempts sent through the write relay (the writer takes the writer itself after a few),
+    # and the base position of the latest (one may be appended late while that is the tip).
     relays: int = 0
+    relayed_base: int | None = None
 
 
 class RecordClaim:

@@ -1093,13 +1093,16 @@ class PulsarConnection:
         """A :class:`RelayChannel` on the non-persistent ``topic``; ``name``: this process's
         subscription (messages sent while it is not subscribed are not kept for it)."""
         _check_process(self._pid, "the Pulsar client")
-        with translate_errors(f"open the relay producer on {topic}"):
-            producer = await asyncio.wait_for(
-                self._client.create_producer(
-                    topic, batching_enabled=False, send_timeout_millis=5000
-                ),
-                self._operation_timeout_s,
-            )
+        creation = asyncio.ensure_future(
+            self._client.create_producer(topic, batching_enabled=False, send_timeout_millis=5000)
+        )
+        try:
+            with translate_errors(f"open the relay producer on {topic}"):
+                producer = await wait_bounded(asyncio.shield(creation), self._operation_timeout_s)
+        except BaseException:
+            # Given up (or the manager closes): a producer created later is closed at once.
+            _close_when_created(creation, f"relay producer on {topic}")
+            raise
         try:
             consumer = await subscribe_bounded(
                 lambda: self._client.subscribe(

@@ -355,6 +355,11 @@ class Replica(Generic[S, Op]):
                 f"{record.record_id}: {exc}"
             ) from exc
 
+    def check_ops(self, record: Record) -> None:
+        """Raise CorruptRecordError or CodecError if this replica's codec cannot decode the
+        ops of ``record`` (one not in the log: another process's, relayed)."""
+        self._decode(record, LogPosition(-1, -1))
+
     def _forked(self, record: Record, at: LogPosition) -> ForkedHistoryError:
         # In one history a record's base is never ahead of a replica that has read everything
         # before it: its writer accepted records this replica did not (or the reverse).

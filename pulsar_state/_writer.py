@@ -31,12 +31,14 @@ from tenacity import (
 )
 
 from ._context import Context
-from ._envelope import Record, decode_record
+from ._envelope import Record, decode_record, write_id
 from ._errors import (
+    CodecError,
     CorruptRecordError,
     OperationTimeoutError,
     PulsarStateError,
     RecordTooLargeError,
+    WriteOutcomeUnknownError,
     WriterBusyError,
 )
 from ._pending import PendingWrite, PendingWrites
@@ -101,6 +103,8 @@ class ReadSide(Protocol):
 
     def apply_own(self, payload: bytes, record: Record, at: LogPosition) -> None: ...
 
+    def check_ops(self, record: Record) -> None: ...
+
     def halt_with(self, error: PulsarStateError, cause: BaseException | None = None) -> None: ...
 
 
@@ -153,6 +157,8 @@ class Writer:
         self._relay_landed_at = float("-inf")  # a relayed record of ours was appended
         self._relay_quiet_until = float("-inf")  # no relaying until then (one went unseen)
         self._turn_requested = False  # another process asked for the writer
+        self._turn_asked_at = float("-inf")  # when this process last asked for a turn
+        self._released_at = float("-inf")  # when this process last gave the writer up
         self._busy_seen_at = float("-inf")  # creating the producer found it held
         # Records read before the writer started (the opening replay) say nothing of who
         # holds the writer now.
@@ -190,13 +196,23 @@ class Writer:
         pending, wake = self._pending, self._pending.wake
         loop = asyncio.get_running_loop()
         while not self._context.closed and self._replica.halt is None:
+            # Relayed records whose writes all have their outcome need nothing more.
+            self._relayed = [o for o in self._relayed if any(not w.future.done() for w in o.writes)]
+            if self._foreign and self._producer is None:
+                self._foreign.clear()  # released since they came: their senders retry
+            held_for = loop.time() - self._producer_since
+            busy = bool(pending.queue or self._foreign or self._turn_requested)
+            if self._producer is not None and busy and self._turn_due(held_for):
+                # Let writers in other processes have a turn; they poll for the writer.
+                await self.release()
+                await asyncio.sleep(_TURN_PAUSE_S)
+                continue
             if self._foreign:
-                if self._producer is None:
-                    self._foreign.clear()  # released since they came: their senders retry
-                else:
-                    await self._append_foreign()
-                    self._after_batch()  # the holder takes the snapshots that fall due
+                await self._append_foreign()
+                self._after_batch()  # the holder takes the snapshots that fall due
+                if not pending.queue:
                     continue
+                # One batch of this process's own writes between relayed ones: never starved.
             if not pending.queue and not self._relayed:
                 wake.clear()
                 if self._producer is None:
@@ -220,22 +236,16 @@ class Writer:
             pending.drop_finished_head()
             if not pending.queue and not self._relayed:
                 continue
-            held_for = loop.time() - self._producer_since
-            if self._producer is not None and self._turn_due(held_for):
-                # Let writers in other processes have a turn; they poll for the writer.
-                self._turn_requested = False
-                await self.release()
-                await asyncio.sleep(_TURN_PAUSE_S)
-                continue
             if self._producer is None:
                 if not self._relayed and self._relay_first():
                     await self._relay_batch()
                     continue
-                if self._holder_likely():
-                    await self._request_turn()  # its relayed writes kept losing: poll
                 await self._acquire()
                 if self._producer is None:
-                    continue  # every queued write expired while waiting for the writer
+                    # Every write waiting for the writer expired or was seen meanwhile; or
+                    # the queued ones are to be relayed after all. Never a spin: yield.
+                    await asyncio.sleep(0)
+                    continue
             if not pending.queue:
                 continue  # only relayed writes were waiting: retried (or seen) by _acquire
             await self._write_batch()
@@ -276,6 +286,7 @@ class Writer:
                         # A write came: acquire for it instead (its budget, its takeover).
                         return
                     if not pending.queue and not ahead and not self._relayed_waiting():
+                        self._relayed = []
                         return
                     fencing = takeover is not None and loop.time() - started >= takeover
                     if fencing:
@@ -292,7 +303,10 @@ class Writer:
                             ),
                         )
                     except WriterBusyError:
-                        if ahead or not self._may_relay():
+                        if ahead:
+                            raise
+                        if not self._may_relay():
+                            await self._request_turn()  # rate-limited: one per max_hold_s
                             raise
                         # Held for sure: the serve loop relays the queued writes instead.
                         self._busy_seen_at = time.monotonic()
@@ -322,6 +336,7 @@ class Writer:
             raise
         self._producer_since = loop.time()
         self._take_ahead = False
+        self._turn_requested = False  # asked of an earlier holding
         self._pending.last_failure = None
         self._stats.writer_acquisitions += 1
         if self._producer is not None and self._producer.fencing:
@@ -364,8 +379,16 @@ class Writer:
         return held_for > _UNASKED_TURN_FACTOR * max_hold
 
     async def _request_turn(self) -> None:
+        """Ask the holder (through the relay, if up) for a turn; at most once per max_hold_s."""
         relay = self._relay
-        assert relay is not None
+        now = time.monotonic()
+        if (
+            relay is None
+            or not relay.ready
+            or now < self._turn_asked_at + self._settings.max_hold_s
+        ):
+            return
+        self._turn_asked_at = now
         try:
             await relay.send(TURN_REQUEST)
         except (PulsarStateError, TimeoutError) as exc:  # a hint: the holder's turns come anyway
@@ -382,7 +405,10 @@ class Writer:
             return False
         if now - self._busy_seen_at < _BUSY_FRESH_S:
             return True
-        seen = max(self._replica.foreign_at, self._relay_landed_at)
+        # Records of others read while this process held the writer were appended by it (relayed)
+        # or before it took the writer: they say nothing of a holder now.
+        foreign = self._replica.foreign_at
+        seen = max(foreign if foreign > self._released_at else float("-inf"), self._relay_landed_at)
         # Half: the holder's idle countdown started before we read its record.
         return seen > self._started_at and now - seen < self._settings.idle_release_s / 2
 
@@ -410,6 +436,7 @@ class Writer:
         for outgoing in records:
             for write in outgoing.writes:
                 write.relays += 1
+                write.relayed_base = outgoing.record.base_position
         try:
             await asyncio.gather(*(relay.send(outgoing.payload) for outgoing in records))
         except (PulsarStateError, TimeoutError) as exc:
@@ -450,18 +477,22 @@ class Writer:
         producer, replica = self._producer, self._replica
         assert producer is not None
         batch: list[tuple[bytes, Record]] = []
+        # Where the log will be once the records taken so far are appended: a sender's batch
+        # is a chain (each record based on the one before it).
+        version, last_id = replica.version, replica.last_record_id
         while self._foreign:
             payload = self._foreign.popleft()
             try:
                 record = decode_record(payload, message_id=f"relayed on {self._topic}")
-            except CorruptRecordError as exc:
+                if record.base_position == version and record.base_record_id == last_id:
+                    # Accepted once appended: every replica must be able to decode it.
+                    replica.check_ops(record)
+            except (CorruptRecordError, CodecError) as exc:
                 logger.warning("dropping a record relayed on %s: %s", self._topic, exc)
                 continue
-            fits = record.base_position < replica.version or (
-                record.base_position == replica.version
-                and record.base_record_id == replica.last_record_id
-            )
-            if not fits:
+            if record.base_position == version and record.base_record_id == last_id:
+                version, last_id = version + 1, record.record_id
+            elif record.base_position >= version:
                 # Built on a history this replica does not have (a forked or deleted one):
                 # appended, it would halt every replica. Its sender finds out by itself.
                 logger.warning(
@@ -470,10 +501,12 @@ class Writer:
                     self._topic,
                     record.base_position,
                     record.base_record_id,
-                    replica.version,
-                    replica.last_record_id,
+                    version,
+                    last_id,
                 )
                 continue
+            # (Else stale: appended all the same, ignored by every replica; its sender learns
+            # at once that its writes are to be retried on the newer state.)
             batch.append((payload, record))
         if not batch:
             return
@@ -540,6 +573,7 @@ class Writer:
     async def release(self) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
+            self._released_at = time.monotonic()
             self._stats.writer_releases += 1
             await producer.close()
             logger.debug("released the writer of %s", self._topic)
@@ -556,7 +590,7 @@ class Writer:
             replica.last_record_id,
         )
         for refused, error in built.refused:
-            refused.future.set_exception(error)
+            refused.future.set_exception(self._unless_lingering(refused, error))
         if built.halt is not None:
             # The trial run just mutated the live state with an unacknowledged write: this
             # replica can no longer be trusted, so it stops rather than show that write.
@@ -564,9 +598,40 @@ class Writer:
             culprit.future.set_exception(error)
             replica.halt_with(error)
             return []
-        if built.unchanged:
-            await self._settle_unchanged(built.unchanged)
+        unchanged = []
+        for write in built.unchanged:
+            if self._lingering(write):
+                write.future.set_exception(self._unless_lingering(write, None))
+            else:
+                unchanged.append(write)
+        if unchanged:
+            await self._settle_unchanged(unchanged)
         return built.records
+
+    def _lingering(self, write: PendingWrite) -> bool:
+        """Whether an attempt of ``write`` relayed earlier may still be appended and accepted
+        (it was not seen, and its base is still the log's latest): a process that received
+        it late may append it whenever it holds the writer."""
+        base = write.relayed_base
+        return bool(write.outstanding) and base is not None and base >= self._replica.version
+
+    def _unless_lingering(self, write: PendingWrite, error: BaseException | None) -> BaseException:
+        """``error`` (a refused write's), or, when an earlier relayed attempt may still land,
+        WriteOutcomeUnknownError: this attempt's generator gave no ops or raised now (it is
+        not a function of the state alone), so only the lingering one can apply the write."""
+        if not self._lingering(write):
+            assert error is not None
+            return error
+        wid = write_id(self._context.writer_id, write.write_seq)
+        unknown = WriteOutcomeUnknownError(
+            f"write {wid}: an earlier attempt, relayed through the process holding the "
+            "writer, may still be applied, but this attempt's generator "
+            f"{'raised' if error is not None else 'gave no ops'} on the same state; it was "
+            "applied once or not at all",
+            write_id=wid,
+        )
+        unknown.__cause__ = error
+        return unknown
 
     async def _write_batch(self) -> None:
         producer = self._producer

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pulsar.asyncio as pulsar_asyncio
 import pytest
 
-from pulsar_state import SharedStateManager
+from pulsar_state import SharedStateManager, WriteOutcomeUnknownError
 from pulsar_state._envelope import Record, Write, encode_record
 from pulsar_state._relay import TURN_REQUEST
 from tests.core.helpers import Counter, counter_manager, incr
@@ -18,6 +19,10 @@ from tests.support.waiting import until
 
 # Keeps the writer once it has it (no idle release, no turns).
 HOLD = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
+
+
+def tagged(tag: str) -> Callable[[Counter], list[dict[str, Any]]]:
+    return lambda state: [incr(tag)]
 
 
 def relay_ready(manager: SharedStateManager[Any, Any]) -> bool:
@@ -40,7 +45,8 @@ async def test_a_write_is_relayed_through_the_process_holding_the_writer(
         assert result.value == 2
         assert other.stats.writer_acquisitions == 0
         assert other.stats.records_relayed == 1
-        assert holder.stats.relayed_appended == 1
+        # (The sender may read it back before the holder counts it.)
+        await until(lambda: holder.stats.relayed_appended == 1, "counted by the holder")
         for manager in (holder, other):
             state = await manager.read(lambda s: s, latest=True)
             assert state["count"] == 2
@@ -60,7 +66,7 @@ async def test_relayed_writes_under_contention_apply_exactly_once(
 
         async def writes(index: int, manager: SharedStateManager[Counter, Any]) -> None:
             for n in range(40):
-                await manager.write(lambda s, n=n: [incr(f"{index}-{n}")])
+                await manager.write(tagged(f"{index}-{n}"))
                 await asyncio.sleep(random.uniform(0, 0.004))
 
         await asyncio.gather(*(writes(i, m) for i, m in enumerate(managers)))
@@ -101,8 +107,9 @@ async def test_a_relayed_record_nobody_appends_lands_once_through_the_writer(
 async def test_a_holder_drops_what_it_cannot_append_and_goes_on(
     service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Bad input on the relay topic (anyone may publish there): not a record, and a record
-    # built on another history (appended, it would halt every replica as a fork). Both are
+    # Bad input on the relay topic (anyone may publish there): not a record, a record built
+    # on another history (appended, it would halt every replica as a fork), and one with an
+    # op the codec cannot decode (appended, every replica would halt on it). All three are
     # dropped with a warning; a turn request from a stranger only asks for a turn.
     caplog.set_level(logging.WARNING, logger="pulsar_state")
     async with (
@@ -114,22 +121,31 @@ async def test_a_holder_drops_what_it_cannot_append_and_goes_on(
         relay = holder._parts.relay
         assert relay is not None
         forked = Record("stranger", 1, 7, "stranger/0", [Write(1, [b'{"op": "incr"}'])])
+        # Based on the log's latest, but with an op the codec cannot decode.
+        undecodable = Record(
+            "stranger", 2, holder.position, holder._replica.last_record_id, [Write(1, [b"\xff"])]
+        )
         client = pulsar_asyncio.Client(service_url, operation_timeout_seconds=15)
         try:
             producer = await client.create_producer(relay.topic)
-            for payload in (b"not a record", encode_record(forked), TURN_REQUEST):
+            for payload in (
+                b"not a record",
+                encode_record(forked),
+                encode_record(undecodable),
+                TURN_REQUEST,
+            ):
                 await producer.send(payload)
             await producer.close()
         finally:
             await client.close()
         await until(
-            lambda: sum("dropping" in r.getMessage() for r in caplog.records) >= 2,
-            "both dropped",
+            lambda: sum("dropping" in r.getMessage() for r in caplog.records) >= 3,
+            "all three dropped",
         )
         await other.write(lambda s: [incr("other")])
         assert holder.halted is None
         assert other.halted is None
-        assert holder.stats.relayed_appended == 1
+        await until(lambda: holder.stats.relayed_appended == 1, "counted by the holder")
         for manager in (holder, other):
             state = await manager.read(lambda s: s, latest=True)
             assert state["seen"] == {"holder": 1, "other": 1}
@@ -161,3 +177,109 @@ async def test_a_process_without_the_relay_still_gets_its_turn(
             await writing
         assert (await poller.read(lambda s: s["seen"], latest=True))["poller"] == 1
         assert busy.stats.writer_releases >= 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_relayed_record_appended_late_ends_the_wait_for_the_writer(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The holder appends the relayed record after the sender's patience (50 ms): the sender
+    # is then polling for the writer, and its write completes from the relayed record. The
+    # sender's writer loop must then go idle (it once spun, never yielding: this test hung).
+    async with (
+        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
+        counter_manager(service_url, topic, admin_url) as other,
+    ):
+        await holder.write(lambda s: [incr("holder")])
+        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
+        writer = holder._parts.writer
+        assert writer is not None
+        append = writer._append_foreign
+
+        async def slowly() -> None:
+            await asyncio.sleep(0.3)
+            await append()
+
+        writer._append_foreign = slowly  # type: ignore[method-assign]
+        await asyncio.wait_for(other.write(lambda s: [incr("other")]), 20)
+        assert other.stats.records_relayed == 1
+        assert other.stats.writer_acquisitions == 0
+        await asyncio.sleep(0.3)  # the loop runs: nothing spins
+        assert (await other.read(lambda s: s["seen"], latest=True)) == {"holder": 1, "other": 1}
+
+
+async def test_a_sender_batch_of_several_records_is_appended_whole(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # One record per write: the sender's batch is a chain (each record based on the one
+    # before it), which the holder must append whole, not only its first record.
+    async with (
+        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
+        counter_manager(service_url, topic, admin_url, max_writes_per_record=1) as other,
+    ):
+        await holder.write(lambda s: [incr("holder")])
+        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
+        writes = (other.write(tagged(f"o{n}")) for n in range(5))
+        await asyncio.wait_for(asyncio.gather(*writes), 20)
+        assert other.stats.writer_acquisitions == 0
+        # (The sender may read them back before the holder counts them.)
+        await until(lambda: holder.stats.relayed_appended == 5, "all five appended")
+        assert (await holder.read(lambda s: s["count"], latest=True)) == 6
+
+
+async def test_a_holder_with_only_relayed_records_still_gives_turns(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The holder writes nothing of its own; a second process keeps relaying through it. A
+    # process without the relay (it can only poll) still gets the writer within 10 x
+    # max_hold_s.
+    async with (
+        counter_manager(
+            service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.2
+        ) as holder,
+        counter_manager(service_url, topic, admin_url) as relaying,
+        counter_manager(service_url, topic, admin_url, relay_writes=False) as poller,
+    ):
+        await holder.write(lambda s: [incr("holder")])
+        await until(lambda: relay_ready(holder) and relay_ready(relaying), "the relays open")
+        stop = asyncio.Event()
+
+        async def keep_relaying() -> None:
+            while not stop.is_set():
+                await relaying.write(lambda s: [incr()])
+
+        writing = asyncio.ensure_future(keep_relaying())
+        try:
+            await until(lambda: holder.stats.relayed_appended > 3, "writes relayed")
+            await poller.write(lambda s: [incr("poller")], timeout=15.0)
+        finally:
+            stop.set()
+            await writing
+        assert (await poller.read(lambda s: s["seen"], latest=True))["poller"] == 1
+
+
+async def test_a_write_whose_relayed_attempt_may_land_is_not_reported_unchanged(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The relayed attempt reaches nobody (the holder has no relay); the sender takes the
+    # writer and runs the generator again on the same state, which now gives no ops (it is
+    # not a function of the state alone). A process that received the relayed attempt late
+    # could still append it, so the write's outcome is unknown, not "unchanged".
+    calls = []
+
+    def moody(state: Counter) -> list[dict[str, Any]]:
+        calls.append(state["count"])
+        return [incr("moody")] if len(calls) == 1 else []
+
+    async with (
+        counter_manager(service_url, topic, admin_url, relay_writes=False, **HOLD) as holder,
+        counter_manager(service_url, topic, admin_url) as other,
+    ):
+        await holder.write(lambda s: [incr("holder")])
+        await until(lambda: relay_ready(other), "the relay opens")
+        write = asyncio.ensure_future(other.write(moody))
+        await until(lambda: other.stats.records_relayed == 1, "the write relayed")
+        holder.release_writer()
+        with pytest.raises(WriteOutcomeUnknownError, match="relayed"):
+            await asyncio.wait_for(write, 20)
+        assert calls == [1, 1]
