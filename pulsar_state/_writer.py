@@ -67,13 +67,12 @@ _AHEAD_BUDGET_S = 1.0
 _RELAY_PATIENCE_S = 0.05
 # A write whose relayed records were ignored (stale) this many times takes the writer.
 _RELAY_TRIES = 3
-# A failed creation of the producer (another process holds it) counts as a sign of a holder
-# to relay to for this long.
-_BUSY_FRESH_S = 0.01
 # With a relay, the holder gives others a turn after max_hold_s only when one asks for it
 # (their writes are relayed meanwhile), or after this many times max_hold_s (for processes
 # without the relay, which can only poll).
 _UNASKED_TURN_FACTOR = 10
+# How many ids of stale relayed records the holder remembers (see _append_foreign).
+_STALE_REMEMBERED = 1024
 # Records relayed by others, waiting for the holder to append them: more are dropped (their
 # senders take the writer after _RELAY_PATIENCE_S).
 _MAX_FOREIGN = 1000
@@ -155,11 +154,14 @@ class Writer:
         # log caught up with, then their writes are retried unless seen by then.
         self._relayed: list[OutgoingRecord[PendingWrite]] = []
         self._relay_landed_at = float("-inf")  # a relayed record of ours was appended
+        # Ids of stale records relayed by others (the newest): what is built on them is too.
+        self._stale_relayed: dict[str, None] = {}
         self._relay_quiet_until = float("-inf")  # no relaying until then (one went unseen)
         self._turn_requested = False  # another process asked for the writer
         self._turn_asked_at = float("-inf")  # when this process last asked for a turn
+        self._turn_task: asyncio.Task[None] | None = None
         self._released_at = float("-inf")  # when this process last gave the writer up
-        self._busy_seen_at = float("-inf")  # creating the producer found it held
+        self._relay_next = False  # creating the producer found it held: relay next
         # Records read before the writer started (the opening replay) say nothing of who
         # holds the writer now.
         self._started_at = time.monotonic()
@@ -196,10 +198,10 @@ class Writer:
         pending, wake = self._pending, self._pending.wake
         loop = asyncio.get_running_loop()
         while not self._context.closed and self._replica.halt is None:
-            # Relayed records whose writes all have their outcome need nothing more.
-            self._relayed = [o for o in self._relayed if any(not w.future.done() for w in o.writes)]
+            self._prune_relayed()
             if self._foreign and self._producer is None:
                 self._foreign.clear()  # released since they came: their senders retry
+            pending.drop_finished_head()  # (writes the watchdog failed are no reason to turn)
             held_for = loop.time() - self._producer_since
             busy = bool(pending.queue or self._foreign or self._turn_requested)
             if self._producer is not None and busy and self._turn_due(held_for):
@@ -227,8 +229,12 @@ class Writer:
                     self._release_when_idle = False
                     await self.release()
                     continue
+                idle = self._settings.idle_release_s
+                if self._turn_requested:
+                    # Asked for a turn while idle: give it once max_hold_s has passed.
+                    idle = min(idle, max(0.0, self._settings.max_hold_s - held_for))
                 try:
-                    await asyncio.wait_for(wake.wait(), self._settings.idle_release_s)
+                    await asyncio.wait_for(wake.wait(), idle)
                 except TimeoutError:
                     await self.release()
                 continue
@@ -306,15 +312,16 @@ class Writer:
                         if ahead:
                             raise
                         if not self._may_relay():
-                            await self._request_turn()  # rate-limited: one per max_hold_s
+                            self._request_turn()  # rate-limited: one per max_hold_s
                             raise
                         # Held for sure: the serve loop relays the queued writes instead.
-                        self._busy_seen_at = time.monotonic()
+                        self._relay_next = True
                         return
         except WriterBusyError:
             if ahead:
                 raise
             waited = loop.time() - started
+            self._prune_relayed()
             for relayed in self._relayed:
                 for waiting in relayed.writes:
                     if not waiting.future.done():
@@ -362,10 +369,13 @@ class Writer:
     def accept_foreign(self, payload: bytes) -> None:
         """A record another process relayed: appended next if this process holds the writer
         (dropped otherwise: its sender takes the writer when it is not seen)."""
-        if self._producer is None or len(self._foreign) >= _MAX_FOREIGN:
+        if self._producer is None:
             return
         if payload == TURN_REQUEST:
             self._turn_requested = True
+            self._pending.wake.set()  # an idle holder bounds its wait by max_hold_s
+            return
+        if len(self._foreign) >= _MAX_FOREIGN:
             return
         self._foreign.append(payload)
         self._pending.wake.set()
@@ -378,21 +388,29 @@ class Writer:
             return True
         return held_for > _UNASKED_TURN_FACTOR * max_hold
 
-    async def _request_turn(self) -> None:
-        """Ask the holder (through the relay, if up) for a turn; at most once per max_hold_s."""
+    def _request_turn(self) -> None:
+        """Ask the holder (through the relay, if up) for a turn, in the background; at most
+        once per max_hold_s."""
         relay = self._relay
         now = time.monotonic()
         if (
             relay is None
             or not relay.ready
             or now < self._turn_asked_at + self._settings.max_hold_s
+            or self._turn_task is not None
         ):
             return
         self._turn_asked_at = now
-        try:
-            await relay.send(TURN_REQUEST)
-        except (PulsarStateError, TimeoutError) as exc:  # a hint: the holder's turns come anyway
-            logger.debug("asking for a turn on %s: %s", relay.topic, exc)
+
+        async def ask() -> None:
+            try:
+                await relay.send(TURN_REQUEST)
+            except (PulsarStateError, TimeoutError) as exc:  # a hint: turns come anyway
+                logger.debug("asking for a turn on %s: %s", relay.topic, exc)
+            finally:
+                self._turn_task = None
+
+        self._turn_task = asyncio.get_running_loop().create_task(ask())
 
     def _holder_likely(self) -> bool:
         """Whether another process probably holds the writer and the relay reaches it: its
@@ -403,8 +421,6 @@ class Writer:
         now = time.monotonic()
         if now < self._relay_quiet_until:
             return False
-        if now - self._busy_seen_at < _BUSY_FRESH_S:
-            return True
         # Records of others read while this process held the writer were appended by it (relayed)
         # or before it took the writer: they say nothing of a holder now.
         foreign = self._replica.foreign_at
@@ -416,6 +432,7 @@ class Writer:
         """Whether the queued writes may be relayed (the relay is up, no relayed record is
         waiting to be settled, and none of them lost too often)."""
         relay = self._relay
+        self._prune_relayed()
         if relay is None or not relay.ready or self._relayed:
             return False
         if time.monotonic() < self._relay_quiet_until:
@@ -424,7 +441,8 @@ class Writer:
 
     def _relay_first(self) -> bool:
         """Whether to relay the next batch rather than take the writer."""
-        return self._may_relay() and self._holder_likely()
+        relay_next, self._relay_next = self._relay_next, False
+        return self._may_relay() and (relay_next or self._holder_likely())
 
     async def _relay_batch(self) -> None:
         relay, pending = self._relay, self._pending
@@ -454,14 +472,17 @@ class Writer:
             relay.topic,
             _RELAY_PATIENCE_S * 1000,
         )
-        self._relayed = unseen
+        self._relayed = records  # the whole chain (a stale link kills the rest): pruned later
         self._relay_quiet_until = time.monotonic() + self._settings.idle_release_s
 
     async def _settled(self, records: list[OutgoingRecord[PendingWrite]], within: float) -> bool:
         """Wait until the replica settled every one of ``records`` (True), or ``within``."""
         pending, replica = self._pending, self._replica
         deadline = time.monotonic() + within
-        while any(pending.in_flight(o.record.record_id) for o in records):
+        while True:
+            self._drop_dead_chain(records)
+            if not any(pending.in_flight(o.record.record_id) for o in records):
+                break
             left = deadline - time.monotonic()
             if left <= 0 or replica.halt is not None or self._context.closed:
                 return False
@@ -470,6 +491,30 @@ class Writer:
                 async with asyncio.timeout(left):
                     await pending.settled.wait()
         return True
+
+    def _remember_stale(self, record_id: str) -> None:
+        self._stale_relayed[record_id] = None
+        if len(self._stale_relayed) > _STALE_REMEMBERED:
+            del self._stale_relayed[next(iter(self._stale_relayed))]
+
+    def _prune_relayed(self) -> None:
+        """Keep only the relayed records that may still be seen: not settled, not dead."""
+        self._drop_dead_chain(self._relayed)
+        self._relayed = [o for o in self._relayed if self._pending.in_flight(o.record.record_id)]
+
+    def _drop_dead_chain(self, records: list[OutgoingRecord[PendingWrite]]) -> None:
+        """``records`` are one chain (each based on the one before). Once one of them was
+        ignored as stale, the rest can never be accepted (each is based on a record no
+        replica accepted; the holder does not even append them): retry their writes now."""
+        pending = self._pending
+        dead = False
+        for outgoing in records:
+            record_id = outgoing.record.record_id
+            if pending.in_flight(record_id):
+                if dead:
+                    pending.reject(record_id)
+            elif any(not w.future.done() for w in outgoing.writes):
+                dead = True  # ignored as stale (its writes were queued again)
 
     async def _append_foreign(self) -> None:
         """Append the records other processes relayed, each as it came (the replicas decide,
@@ -492,6 +537,10 @@ class Writer:
                 continue
             if record.base_position == version and record.base_record_id == last_id:
                 version, last_id = version + 1, record.record_id
+            elif record.base_record_id in self._stale_relayed:
+                # Built on a relayed record that was stale: its sender retries it anyway.
+                self._remember_stale(record.record_id)
+                continue
             elif record.base_position >= version:
                 # Built on a history this replica does not have (a forked or deleted one):
                 # appended, it would halt every replica. Its sender finds out by itself.
@@ -505,8 +554,10 @@ class Writer:
                     last_id,
                 )
                 continue
-            # (Else stale: appended all the same, ignored by every replica; its sender learns
-            # at once that its writes are to be retried on the newer state.)
+            else:
+                # Stale: appended all the same, ignored by every replica; its sender learns at
+                # once that its writes are to be retried on the newer state.
+                self._remember_stale(record.record_id)
             batch.append((payload, record))
         if not batch:
             return

@@ -25,6 +25,34 @@ def tagged(tag: str) -> Callable[[Counter], list[dict[str, Any]]]:
     return lambda state: [incr(tag)]
 
 
+def count_acquisitions(manager: SharedStateManager[Any, Any]) -> list[int]:
+    """A one-item list counting the manager's writer acquisition attempts from now on."""
+    writer = manager._parts.writer
+    assert writer is not None
+    acquire = writer._acquire
+    attempts = [0]
+
+    async def counted(*, ahead: bool = False) -> None:
+        attempts[0] += 1
+        await acquire(ahead=ahead)
+
+    writer._acquire = counted  # type: ignore[method-assign]
+    return attempts
+
+
+def slow_appends(manager: SharedStateManager[Any, Any], delay: float) -> None:
+    """The manager appends relayed records only ``delay`` after they came."""
+    writer = manager._parts.writer
+    assert writer is not None
+    append = writer._append_foreign
+
+    async def slowly() -> None:
+        await asyncio.sleep(delay)
+        await append()
+
+    writer._append_foreign = slowly  # type: ignore[method-assign]
+
+
 def relay_ready(manager: SharedStateManager[Any, Any]) -> bool:
     relay = manager._parts.relay
     return relay is not None and relay.ready
@@ -41,6 +69,9 @@ async def test_a_write_is_relayed_through_the_process_holding_the_writer(
     ):
         await holder.write(lambda s: [incr("holder")])
         await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
+        await other.read(
+            lambda s: s, latest=True
+        )  # the holder's record read: nothing relayed is stale
         result = await other.write(lambda s: [incr("other")], reader=lambda s: s["count"])
         assert result.value == 2
         assert other.stats.writer_acquisitions == 0
@@ -92,6 +123,9 @@ async def test_a_relayed_record_nobody_appends_lands_once_through_the_writer(
     ):
         await holder.write(lambda s: [incr("holder")])
         await until(lambda: relay_ready(other), "the relay opens")
+        await other.read(
+            lambda s: s, latest=True
+        )  # the holder's record read: nothing relayed is stale
         write = asyncio.ensure_future(other.write(lambda s: [incr("other")]))
         await until(lambda: other.stats.records_relayed == 1, "the write relayed")
         await asyncio.sleep(0.3)  # well past the relay's patience: polling for the writer
@@ -118,6 +152,9 @@ async def test_a_holder_drops_what_it_cannot_append_and_goes_on(
     ):
         await holder.write(lambda s: [incr("holder")])
         await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
+        await other.read(
+            lambda s: s, latest=True
+        )  # the holder's record read: nothing relayed is stale
         relay = holder._parts.relay
         assert relay is not None
         forked = Record("stranger", 1, 7, "stranger/0", [Write(1, [b'{"op": "incr"}'])])
@@ -192,19 +229,18 @@ async def test_a_relayed_record_appended_late_ends_the_wait_for_the_writer(
     ):
         await holder.write(lambda s: [incr("holder")])
         await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
-        writer = holder._parts.writer
-        assert writer is not None
-        append = writer._append_foreign
-
-        async def slowly() -> None:
-            await asyncio.sleep(0.3)
-            await append()
-
-        writer._append_foreign = slowly  # type: ignore[method-assign]
+        await other.read(
+            lambda s: s, latest=True
+        )  # the holder's record read: nothing relayed is stale
+        slow_appends(holder, 0.3)
+        attempts = count_acquisitions(other)
         await asyncio.wait_for(other.write(lambda s: [incr("other")]), 20)
         assert other.stats.records_relayed == 1
         assert other.stats.writer_acquisitions == 0
-        await asyncio.sleep(0.3)  # the loop runs: nothing spins
+        await asyncio.sleep(0.1)
+        settled = attempts[0]
+        await asyncio.sleep(0.3)  # the loop runs, and the writer has stopped asking
+        assert attempts[0] == settled
         assert (await other.read(lambda s: s["seen"], latest=True)) == {"holder": 1, "other": 1}
 
 
@@ -219,6 +255,8 @@ async def test_a_sender_batch_of_several_records_is_appended_whole(
     ):
         await holder.write(lambda s: [incr("holder")])
         await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
+        await other.read(lambda s: s, latest=True)  # built on the latest: none is stale
+        slow_appends(holder, 0.02)  # all five wait together in the holder (within patience)
         writes = (other.write(tagged(f"o{n}")) for n in range(5))
         await asyncio.wait_for(asyncio.gather(*writes), 20)
         assert other.stats.writer_acquisitions == 0
@@ -237,7 +275,7 @@ async def test_a_holder_with_only_relayed_records_still_gives_turns(
         counter_manager(
             service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.2
         ) as holder,
-        counter_manager(service_url, topic, admin_url) as relaying,
+        counter_manager(service_url, topic, admin_url, max_hold_s=0.2) as relaying,
         counter_manager(service_url, topic, admin_url, relay_writes=False) as poller,
     ):
         await holder.write(lambda s: [incr("holder")])
@@ -251,7 +289,7 @@ async def test_a_holder_with_only_relayed_records_still_gives_turns(
         writing = asyncio.ensure_future(keep_relaying())
         try:
             await until(lambda: holder.stats.relayed_appended > 3, "writes relayed")
-            await poller.write(lambda s: [incr("poller")], timeout=15.0)
+            await poller.write(lambda s: [incr("poller")], timeout=30.0)
         finally:
             stop.set()
             await writing
@@ -277,9 +315,111 @@ async def test_a_write_whose_relayed_attempt_may_land_is_not_reported_unchanged(
     ):
         await holder.write(lambda s: [incr("holder")])
         await until(lambda: relay_ready(other), "the relay opens")
+        await other.read(
+            lambda s: s, latest=True
+        )  # the holder's record read: nothing relayed is stale
         write = asyncio.ensure_future(other.write(moody))
         await until(lambda: other.stats.records_relayed == 1, "the write relayed")
         holder.release_writer()
         with pytest.raises(WriteOutcomeUnknownError, match="relayed"):
             await asyncio.wait_for(write, 20)
         assert calls == [1, 1]
+
+
+async def test_writes_queued_while_a_late_relayed_record_lands_are_relayed_too(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The first relayed record lands after the sender's patience, while it polls for the
+    # writer with a second write queued: once the first is seen, the second is relayed too,
+    # rather than waiting for a holder that never gives the writer up.
+    async with (
+        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
+        counter_manager(service_url, topic, admin_url, acquire_timeout_s=5.0) as other,
+    ):
+        await holder.write(lambda s: [incr("holder")])
+        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
+        await other.read(
+            lambda s: s, latest=True
+        )  # the holder's record read: nothing relayed is stale
+        slow_appends(holder, 0.3)
+        first = asyncio.ensure_future(other.write(lambda s: [incr("first")]))
+        await asyncio.sleep(0.1)  # past the patience: polling for the writer
+        second = asyncio.ensure_future(other.write(lambda s: [incr("second")]))
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+        assert other.stats.writer_acquisitions == 0
+        assert other.stats.records_relayed == 2
+
+
+async def test_an_idle_holder_gives_a_turn_when_asked(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The holder drops what is relayed to it (as if lost on the way) but hears turn requests.
+    # The sender, its relayed record unseen, polls for the writer and asks for a turn: the
+    # holder, idle for an hour otherwise, gives it after max_hold_s.
+    async with (
+        counter_manager(
+            service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.3
+        ) as holder,
+        counter_manager(service_url, topic, admin_url, acquire_timeout_s=10.0) as other,
+    ):
+        await holder.write(lambda s: [incr("holder")])
+        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
+        await other.read(
+            lambda s: s, latest=True
+        )  # the holder's record read: nothing relayed is stale
+        writer = holder._parts.writer
+        assert writer is not None
+
+        async def lose() -> None:
+            writer._foreign.clear()
+
+        writer._append_foreign = lose  # type: ignore[method-assign]
+        await asyncio.wait_for(other.write(lambda s: [incr("other")]), 10)
+        assert other.stats.records_relayed == 1
+        assert other.stats.writer_acquisitions == 1
+        assert holder.stats.writer_releases == 1
+        assert (await other.read(lambda s: s["seen"], latest=True)) == {"holder": 1, "other": 1}
+
+
+async def test_a_relayed_chain_built_on_a_stale_state_is_retried_at_once(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The sender has not read the holder's latest record when it relays five records (one
+    # per write, each based on the one before). The first is stale: appended, ignored by
+    # everyone. The other four are based on it, so no replica could ever accept them (the
+    # holder drops them); the sender retries their writes as soon as it sees the first
+    # ignored, instead of waiting for them and then for a writer the holder keeps.
+    async with (
+        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
+        counter_manager(
+            service_url, topic, admin_url, max_writes_per_record=1, acquire_timeout_s=5.0
+        ) as other,
+    ):
+        await holder.write(lambda s: [incr("holder")])
+        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
+        await other.read(lambda s: s, latest=True)
+        reader = other._replica._reader
+        assert reader is not None
+        read_batch = reader.read_batch
+        gate = asyncio.Event()
+
+        async def gated() -> Any:
+            await gate.wait()
+            return await read_batch()
+
+        reader.read_batch = gated  # type: ignore[method-assign]
+        await holder.write(lambda s: [incr("unseen")])  # the pump's pending read takes it...
+        await until(lambda: other.position == 2, "read by the sender")
+        await holder.write(lambda s: [incr("stale-maker")])  # ...this one waits at the gate
+        slow_appends(holder, 0.02)  # the five arrive together
+        writes = asyncio.ensure_future(
+            asyncio.gather(*(other.write(tagged(f"o{n}")) for n in range(5)))
+        )
+        await until(lambda: other.stats.records_relayed == 5, "the chain relayed")
+        await asyncio.sleep(0.2)  # appended (the first, stale) and dropped (the rest)
+        gate.set()
+        await asyncio.wait_for(writes, 10)
+        assert other.stats.writer_acquisitions == 0
+        state = await holder.read(lambda s: s, latest=True)
+        assert state["count"] == 8
+        assert set(state["seen"].values()) == {1}

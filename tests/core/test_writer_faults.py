@@ -15,7 +15,7 @@ from pulsar_state import (
     ReplicaHaltedError,
     WriteOutcomeUnknownError,
 )
-from pulsar_state._pulsar import LogPosition, StateWriter
+from pulsar_state._pulsar import LogPosition, StateReader, StateWriter
 from pulsar_state._replica import Replica
 from tests.core.helpers import counter_manager, incr
 
@@ -66,13 +66,23 @@ async def test_a_failed_send_is_retried_even_when_the_read_back_times_out(
     calls = fail_send_number(monkeypatch, 2)
     wait_log = Replica.wait_log
     stalled: list[bool] = []
+    # The pump reads nothing until the read-back stalls: were it to read the first record
+    # before the writer looks, there would be nothing to read back (seen under CPU load).
+    gate = asyncio.Event()
+    read_batch = StateReader.read_batch
+
+    async def gated(self: StateReader) -> Any:
+        await gate.wait()
+        return await read_batch(self)
 
     async def slow_read_back(self: Replica, target: LogPosition | None) -> None:
         if calls["send"] == 2 and not stalled:
             stalled.append(True)
+            gate.set()  # the retry's catch-up reads the log
             await asyncio.sleep(3600)
         await wait_log(self, target)
 
+    monkeypatch.setattr(StateReader, "read_batch", gated)
     monkeypatch.setattr(Replica, "wait_log", slow_read_back)
     manager = counter_manager(
         service_url, topic, admin_url, write_timeout_s=1.0, max_writes_per_record=1
