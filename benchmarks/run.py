@@ -606,10 +606,13 @@ async def acquisition(broker: Broker, quick: bool) -> list[Metric]:
     finally:
         await raw.close()
     lib_first, lib_handover, lib_fence = [], [], []
-    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
+    # Without the write relay: with it, the waiting process's write would go through the
+    # holder instead of taking the writer over, which is what these rows measure.
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
+    no_relay = {"relay_writes": False}
     for _ in range(rounds):
         name = topic("lib-acq")
-        async with kv_manager(broker, name, **hold) as a, kv_manager(broker, name) as b:
+        async with kv_manager(broker, name, **hold) as a, kv_manager(broker, name, **no_relay) as b:
             started = time.perf_counter()
             await a.write_ops([{"k": "a", "v": 1}])
             lib_first.append(time.perf_counter() - started)
@@ -623,7 +626,7 @@ async def acquisition(broker: Broker, quick: bool) -> list[Metric]:
         # A stuck holder (it keeps the writer and never writes again) taken over by fencing.
         async with (
             kv_manager(broker, name, **hold) as stuck,
-            kv_manager(broker, name, takeover_after_s=0.0) as taker,
+            kv_manager(broker, name, takeover_after_s=0.0, **no_relay) as taker,
         ):
             await stuck.write_ops([{"k": "s", "v": 1}])
             started = time.perf_counter()

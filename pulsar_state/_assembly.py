@@ -385,6 +385,7 @@ class Assembly(Generic[S, Op]):
         if self.snapshots is not None:
             await self.snapshots.cancel()
         if self.writer is not None:
+            self.writer.cancel_background()
             await _bounded(self.writer.release(), left(_TEARDOWN_FLOOR_S))
         if self.relay is not None:
             await _bounded(self.relay.close(), left(_TEARDOWN_FLOOR_S))

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 
 from ._context import Context
-from ._errors import PulsarStateError
+from ._errors import ClosedError, PulsarStateError
 from ._pulsar import PulsarConnection, RelayChannel
 
 __all__ = ["TURN_REQUEST", "Relay", "relay_topic"]
@@ -70,7 +70,8 @@ class Relay:
 
     async def send(self, payload: bytes) -> None:
         channel = self._channel
-        assert channel is not None  # callers check ready
+        if channel is None:
+            raise ClosedError(f"the relay {self.topic} is closed")
         await channel.send(payload)
         if payload != TURN_REQUEST:
             self._context.stats.records_relayed += 1

@@ -315,7 +315,7 @@ class Writer:
                             self._request_turn()  # rate-limited: one per max_hold_s
                             raise
                         # Held for sure: the serve loop relays the queued writes instead.
-                        self._relay_next = True
+                        self._relay_next = bool(pending.queue)
                         return
         except WriterBusyError:
             if ahead:
@@ -344,6 +344,7 @@ class Writer:
         self._producer_since = loop.time()
         self._take_ahead = False
         self._turn_requested = False  # asked of an earlier holding
+        self._relay_next = False
         self._pending.last_failure = None
         self._stats.writer_acquisitions += 1
         if self._producer is not None and self._producer.fencing:
@@ -351,6 +352,7 @@ class Writer:
         logger.debug("acquired the writer of %s", topic)
         # Exclusive from here on: catch up with everything appended before we got it.
         await self._bounded(self._catch_up(), "catching up after acquiring the writer")
+        self._prune_relayed()
         if self._relayed:
             # Nothing relayed can be appended now but by us: retry what did not land.
             self._pending.requeue_unseen(self._relayed)
@@ -405,7 +407,7 @@ class Writer:
         async def ask() -> None:
             try:
                 await relay.send(TURN_REQUEST)
-            except (PulsarStateError, TimeoutError) as exc:  # a hint: turns come anyway
+            except Exception as exc:  # a hint (turns come anyway); the relay may be closed
                 logger.debug("asking for a turn on %s: %s", relay.topic, exc)
             finally:
                 self._turn_task = None
@@ -503,18 +505,30 @@ class Writer:
         self._relayed = [o for o in self._relayed if self._pending.in_flight(o.record.record_id)]
 
     def _drop_dead_chain(self, records: list[OutgoingRecord[PendingWrite]]) -> None:
-        """``records`` are one chain (each based on the one before). Once one of them was
-        ignored as stale, the rest can never be accepted (each is based on a record no
-        replica accepted; the holder does not even append them): retry their writes now."""
-        pending = self._pending
+        """Retry now the writes of relayed records that can no longer be accepted.
+
+        ``records`` are one chain, each based on the one before. A record is dead when it is
+        based before this replica's version, or at it on another record; and so is every
+        record after a dead one, or after one the replica ignored as stale (its writes were
+        queued again): each is based on a record no replica accepted (the holder does not
+        even append those)."""
+        pending, replica = self._pending, self._replica
         dead = False
         for outgoing in records:
-            record_id = outgoing.record.record_id
-            if pending.in_flight(record_id):
-                if dead:
-                    pending.reject(record_id)
-            elif any(not w.future.done() for w in outgoing.writes):
-                dead = True  # ignored as stale (its writes were queued again)
+            record = outgoing.record
+            if not pending.in_flight(record.record_id):
+                # Settled: accepted (its writes done), or ignored (its writes queued again).
+                dead = dead or any(not w.future.done() for w in outgoing.writes)
+                continue
+            dead = dead or (
+                record.base_position < replica.version
+                or (
+                    record.base_position == replica.version
+                    and record.base_record_id != replica.last_record_id
+                )
+            )
+            if dead:
+                pending.reject(record.record_id)
 
     async def _append_foreign(self) -> None:
         """Append the records other processes relayed, each as it came (the replicas decide,
@@ -611,6 +625,11 @@ class Writer:
             # (Held elsewhere: the write that comes is relayed to its holder instead.)
             self._take_ahead = True
             self._pending.wake.set()
+
+    def cancel_background(self) -> None:
+        """Stop what the writer left running beside its loop (a turn request), at close."""
+        if self._turn_task is not None:
+            self._turn_task.cancel()
 
     def release_soon(self) -> None:
         """Release the writer as soon as no write is queued, without the idle wait (also
