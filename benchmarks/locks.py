@@ -13,8 +13,8 @@ Two figures per system, each from separate OS processes on this machine:
   releases. The figure is the time from A's ``release`` call to B's ``acquire`` returning,
   both read from the system-wide monotonic clock.
 * **handover at once**: the same, but A releases as soon as it sees B's request: the
-  release races B's own registration still settling (for the library: B giving the
-  topic's writer back), a harder case than a lock that was waited for.
+  release races B's own registration still settling, a harder case than a lock that was
+  waited for (for the library without the write relay: B giving the topic's writer back).
 
 The systems:
 

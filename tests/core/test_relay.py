@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pulsar.asyncio as pulsar_asyncio
@@ -17,6 +18,7 @@ from pulsar_state._relay import TURN_REQUEST
 from tests.core.helpers import Counter, counter_manager, incr
 from tests.support.waiting import until
 
+Manager = SharedStateManager[Counter, dict[str, Any]]
 # Keeps the writer once it has it (no idle release, no turns).
 HOLD = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
 
@@ -58,20 +60,39 @@ def relay_ready(manager: SharedStateManager[Any, Any]) -> bool:
     return relay is not None and relay.ready
 
 
+@asynccontextmanager
+async def holder_and_sender(
+    service_url: str,
+    admin_url: str,
+    topic: str,
+    *,
+    holder: dict[str, Any] | None = None,
+    sender: dict[str, Any] | None = None,
+) -> AsyncIterator[tuple[Manager, Manager]]:
+    """(holder, sender): the holder wrote once and keeps the writer (``HOLD`` unless
+    ``holder`` says otherwise); the relays are open; the sender has read the holder's
+    record, so nothing it relays is stale (a stale record is retried: relayed twice)."""
+    async with (
+        counter_manager(service_url, topic, admin_url, **(HOLD if holder is None else holder)) as h,
+        counter_manager(service_url, topic, admin_url, **(sender or {})) as s,
+    ):
+        await h.write(lambda state: [incr("holder")])
+        await until(
+            lambda: relay_ready(s) and (h._parts.relay is None or relay_ready(h)),
+            "the relays open",
+        )
+        await s.read(lambda state: state, latest=True)
+        yield h, s
+
+
 async def test_a_write_is_relayed_through_the_process_holding_the_writer(
     service_url: str, admin_url: str, topic: str
 ) -> None:
     # Without the relay the other write waits for the holder's writer forever (its
     # acquire_timeout_s); with it, it lands through the holder, once.
-    async with (
-        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
-        counter_manager(service_url, topic, admin_url, acquire_timeout_s=2.0) as other,
-    ):
-        await holder.write(lambda s: [incr("holder")])
-        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
-        await other.read(
-            lambda s: s, latest=True
-        )  # the holder's record read: nothing relayed is stale
+    async with holder_and_sender(
+        service_url, admin_url, topic, sender={"acquire_timeout_s": 2.0}
+    ) as (holder, other):
         result = await other.write(lambda s: [incr("other")], reader=lambda s: s["count"])
         assert result.value == 2
         assert other.stats.writer_acquisitions == 0
@@ -117,15 +138,9 @@ async def test_a_relayed_record_nobody_appends_lands_once_through_the_writer(
 ) -> None:
     # The holder has no relay: the relayed record reaches nobody. The writer goes back to
     # polling for the writer, and once it has it, retries the write it did not see: once.
-    async with (
-        counter_manager(service_url, topic, admin_url, relay_writes=False, **HOLD) as holder,
-        counter_manager(service_url, topic, admin_url) as other,
-    ):
-        await holder.write(lambda s: [incr("holder")])
-        await until(lambda: relay_ready(other), "the relay opens")
-        await other.read(
-            lambda s: s, latest=True
-        )  # the holder's record read: nothing relayed is stale
+    async with holder_and_sender(
+        service_url, admin_url, topic, holder={"relay_writes": False, **HOLD}
+    ) as (holder, other):
         write = asyncio.ensure_future(other.write(lambda s: [incr("other")]))
         await until(lambda: other.stats.records_relayed == 1, "the write relayed")
         await asyncio.sleep(0.3)  # well past the relay's patience: polling for the writer
@@ -146,15 +161,7 @@ async def test_a_holder_drops_what_it_cannot_append_and_goes_on(
     # op the codec cannot decode (appended, every replica would halt on it). All three are
     # dropped with a warning; a turn request from a stranger only asks for a turn.
     caplog.set_level(logging.WARNING, logger="pulsar_state")
-    async with (
-        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
-        counter_manager(service_url, topic, admin_url) as other,
-    ):
-        await holder.write(lambda s: [incr("holder")])
-        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
-        await other.read(
-            lambda s: s, latest=True
-        )  # the holder's record read: nothing relayed is stale
+    async with holder_and_sender(service_url, admin_url, topic) as (holder, other):
         relay = holder._parts.relay
         assert relay is not None
         forked = Record("stranger", 1, 7, "stranger/0", [Write(1, [b'{"op": "incr"}'])])
@@ -223,15 +230,7 @@ async def test_a_relayed_record_appended_late_ends_the_wait_for_the_writer(
     # The holder appends the relayed record after the sender's patience (50 ms): the sender
     # is then polling for the writer, and its write completes from the relayed record. The
     # sender's writer loop must then go idle (it once spun, never yielding: this test hung).
-    async with (
-        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
-        counter_manager(service_url, topic, admin_url) as other,
-    ):
-        await holder.write(lambda s: [incr("holder")])
-        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
-        await other.read(
-            lambda s: s, latest=True
-        )  # the holder's record read: nothing relayed is stale
+    async with holder_and_sender(service_url, admin_url, topic) as (holder, other):
         slow_appends(holder, 0.3)
         attempts = count_acquisitions(other)
         await asyncio.wait_for(other.write(lambda s: [incr("other")]), 20)
@@ -249,13 +248,9 @@ async def test_a_sender_batch_of_several_records_is_appended_whole(
 ) -> None:
     # One record per write: the sender's batch is a chain (each record based on the one
     # before it), which the holder must append whole, not only its first record.
-    async with (
-        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
-        counter_manager(service_url, topic, admin_url, max_writes_per_record=1) as other,
-    ):
-        await holder.write(lambda s: [incr("holder")])
-        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
-        await other.read(lambda s: s, latest=True)  # built on the latest: none is stale
+    async with holder_and_sender(
+        service_url, admin_url, topic, sender={"max_writes_per_record": 1}
+    ) as (holder, other):
         slow_appends(holder, 0.02)  # all five wait together in the holder (within patience)
         writes = (other.write(tagged(f"o{n}")) for n in range(5))
         await asyncio.wait_for(asyncio.gather(*writes), 20)
@@ -309,15 +304,9 @@ async def test_a_write_whose_relayed_attempt_may_land_is_not_reported_unchanged(
         calls.append(state["count"])
         return [incr("moody")] if len(calls) == 1 else []
 
-    async with (
-        counter_manager(service_url, topic, admin_url, relay_writes=False, **HOLD) as holder,
-        counter_manager(service_url, topic, admin_url) as other,
-    ):
-        await holder.write(lambda s: [incr("holder")])
-        await until(lambda: relay_ready(other), "the relay opens")
-        await other.read(
-            lambda s: s, latest=True
-        )  # the holder's record read: nothing relayed is stale
+    async with holder_and_sender(
+        service_url, admin_url, topic, holder={"relay_writes": False, **HOLD}
+    ) as (holder, other):
         write = asyncio.ensure_future(other.write(moody))
         await until(lambda: other.stats.records_relayed == 1, "the write relayed")
         holder.release_writer()
@@ -332,15 +321,9 @@ async def test_writes_queued_while_a_late_relayed_record_lands_are_relayed_too(
     # The first relayed record lands after the sender's patience, while it polls for the
     # writer with a second write queued: once the first is seen, the second is relayed too,
     # rather than waiting for a holder that never gives the writer up.
-    async with (
-        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
-        counter_manager(service_url, topic, admin_url, acquire_timeout_s=5.0) as other,
-    ):
-        await holder.write(lambda s: [incr("holder")])
-        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
-        await other.read(
-            lambda s: s, latest=True
-        )  # the holder's record read: nothing relayed is stale
+    async with holder_and_sender(
+        service_url, admin_url, topic, sender={"acquire_timeout_s": 5.0}
+    ) as (holder, other):
         slow_appends(holder, 0.3)
         first = asyncio.ensure_future(other.write(lambda s: [incr("first")]))
         await asyncio.sleep(0.1)  # past the patience: polling for the writer
@@ -356,17 +339,13 @@ async def test_an_idle_holder_gives_a_turn_when_asked(
     # The holder drops what is relayed to it (as if lost on the way) but hears turn requests.
     # The sender, its relayed record unseen, polls for the writer and asks for a turn: the
     # holder, idle for an hour otherwise, gives it after max_hold_s.
-    async with (
-        counter_manager(
-            service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.3
-        ) as holder,
-        counter_manager(service_url, topic, admin_url, acquire_timeout_s=10.0) as other,
-    ):
-        await holder.write(lambda s: [incr("holder")])
-        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
-        await other.read(
-            lambda s: s, latest=True
-        )  # the holder's record read: nothing relayed is stale
+    async with holder_and_sender(
+        service_url,
+        admin_url,
+        topic,
+        holder={"idle_release_s": 3600, "max_hold_s": 0.3},
+        sender={"acquire_timeout_s": 10.0},
+    ) as (holder, other):
         writer = holder._parts.writer
         assert writer is not None
 
@@ -389,15 +368,9 @@ async def test_a_relayed_chain_built_on_a_stale_state_is_retried_at_once(
     # everyone. The other four are based on it, so no replica could ever accept them (the
     # holder drops them); the sender retries their writes as soon as it sees the first
     # ignored, instead of waiting for them and then for a writer the holder keeps.
-    async with (
-        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
-        counter_manager(
-            service_url, topic, admin_url, max_writes_per_record=1, acquire_timeout_s=5.0
-        ) as other,
-    ):
-        await holder.write(lambda s: [incr("holder")])
-        await until(lambda: relay_ready(holder) and relay_ready(other), "the relays open")
-        await other.read(lambda s: s, latest=True)
+    async with holder_and_sender(
+        service_url, admin_url, topic, sender={"max_writes_per_record": 1, "acquire_timeout_s": 5.0}
+    ) as (holder, other):
         reader = other._replica._reader
         assert reader is not None
         read_batch = reader.read_batch
