@@ -236,6 +236,7 @@ async def _final_report(
         "digest": digest(state),
         "state": state,
         "fencings": manager.stats.writer_fencings,
+        "relayed": manager.stats.records_relayed,
     }
     target = Path(args.dir) / f"replica-{args.name}.json"
     tmp = target.with_suffix(".tmp")
@@ -303,6 +304,8 @@ class Summary:
     failed: int = 0
     faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     takeovers: int = 0
+    # Records the reporting processes sent through the write relay (not those of killed ones).
+    relayed: int = 0
     replicas: int = 0
     position: int = 0
     digests_agree: bool = False
@@ -322,7 +325,8 @@ class Summary:
         return (
             f"chaos {self.minutes:g} min: ops acked {self.acked_writes + self.acked_reads} "
             f"(writes {self.acked_writes}, reads {self.acked_reads}), unknown outcome "
-            f"{self.unknown}, failed {self.failed}; faults {faults} (takeovers {self.takeovers}); "
+            f"{self.unknown}, failed {self.failed}; faults {faults} (takeovers {self.takeovers}, "
+            f"relayed {self.relayed}); "
             f"lost {self.lost}, duplicated {self.duplicated}, phantom {self.phantom}; "
             f"replicas {self.replicas} {'agree' if self.digests_agree else 'DISAGREE'} at "
             f"position {self.position}; linearizable {self.linearizable}"
@@ -623,6 +627,7 @@ def _check(run: Path, names: list[str], summary: Summary) -> None:
     reports = [json.loads(path.read_text()) for path in sorted(run.glob("replica-*.json"))]
     summary.replicas = len(reports)
     summary.takeovers = sum(r["fencings"] for r in reports)
+    summary.relayed = sum(r.get("relayed", 0) for r in reports)
     positions = {r["position"] for r in reports}
     digests = {r["digest"] for r in reports}
     summary.position = max(positions, default=0)
