@@ -164,9 +164,6 @@ class PendingWrites:
                 kept.append(pending)
         self.queue = kept
 
-    def latest_deadline(self) -> float:
-        return max(p.deadline for p in self.queue)
-
     def requeue(self, retry: Iterable[PendingWrite]) -> None:
         # Retried first, in their original order: they waited longest. A write is never in
         # the queue twice, or its generator could run and commit twice in one batch.

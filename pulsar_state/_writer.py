@@ -417,12 +417,9 @@ class Writer:
     def _holder_likely(self) -> bool:
         """Whether another process probably holds the writer and the relay reaches it: its
         record, or a relayed one of ours, was read within half ``idle_release_s``."""
-        relay = self._relay
-        if relay is None or not relay.ready:
+        if not self._relay_open():
             return False
         now = time.monotonic()
-        if now < self._relay_quiet_until:
-            return False
         # Records of others read while this process held the writer were appended by it (relayed)
         # or before it took the writer: they say nothing of a holder now.
         foreign = self._replica.foreign_at
@@ -433,13 +430,15 @@ class Writer:
     def _may_relay(self) -> bool:
         """Whether the queued writes may be relayed (the relay is up, no relayed record is
         waiting to be settled, and none of them lost too often)."""
-        relay = self._relay
         self._prune_relayed()
-        if relay is None or not relay.ready or self._relayed:
-            return False
-        if time.monotonic() < self._relay_quiet_until:
+        if self._relayed or not self._relay_open():
             return False
         return all(w.relays < _RELAY_TRIES for w in self._pending.queue)
+
+    def _relay_open(self) -> bool:
+        """The relay is up and not in its quiet time (after a relayed record went unseen)."""
+        relay = self._relay
+        return relay is not None and relay.ready and time.monotonic() >= self._relay_quiet_until
 
     def _relay_first(self) -> bool:
         """Whether to relay the next batch rather than take the writer."""
