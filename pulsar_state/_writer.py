@@ -234,7 +234,9 @@ class Writer:
                     # Asked for a turn while idle: give it once max_hold_s has passed.
                     idle = min(idle, max(0.0, self._settings.max_hold_s - held_for))
                 try:
-                    await asyncio.wait_for(wake.wait(), idle)
+                    # A timeout scope, not wait_for: no task per idle wait (one per write).
+                    async with asyncio.timeout(idle):
+                        await wake.wait()
                 except TimeoutError:
                     await self.release()
                 continue
