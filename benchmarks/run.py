@@ -31,7 +31,7 @@ import pulsar.asyncio as pulsar_asyncio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.scale import map_scale  # noqa: E402
+from benchmarks.scale import map_scale, ownership_scale  # noqa: E402
 from pulsar_state import JsonCodec, SharedStateManager  # noqa: E402
 from pulsar_state.testing import Broker, admin_request, provide_broker  # noqa: E402
 from recipes import PulsarMap  # noqa: E402
@@ -748,6 +748,7 @@ async def run(broker: Broker, quick: bool, only: set[str] | None) -> list[Metric
         ("acquisition", acquisition),
         ("writers", multi_writers),
         ("scale", lambda b, quick: map_scale(b, quick, Metric)),
+        ("ownerscale", lambda b, quick: ownership_scale(b, quick, Metric)),
     ]
     metrics: list[Metric] = []
     for key, suite in suites:

@@ -15,15 +15,22 @@ when none of its names is held in a conflicting mode (read/read is the only comp
 and no earlier waiting request wants one of them in a conflicting mode (so later readers
 never overtake a waiting writer: no starvation). Each grant takes the next fencing token
 from one counter, so tokens strictly increase per resource (and overall).
+
+**Cost.** An op costs O(log n + what it changes) in a table of n leases, not O(n): expiry
+goes by a heap of expiry times, grants look at the waiting requests only, and the writer's
+trial copy (:meth:`LeaseTable.trial`) is a copy-on-write view. A table of 10,000 held
+leases made every acquire+release 14 times slower before (22.6 ms against 1.6 ms).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
-from pulsar_state import ConfigurationError, PulsarStateError
+from pulsar_state import ConfigurationError, DictOverlay, PulsarStateError
 
 __all__ = [
     "Lease",
@@ -96,6 +103,11 @@ class LeaseEvent:
     position: int
 
 
+# A heap entry: (expires_at, seq, lease id). It stands for the lease while the lease has that
+# expiry and that seq (its place in request order); otherwise it is stale and skipped.
+_Entry = tuple[float, int, str]
+
+
 @dataclass(slots=True)
 class LeaseTable:
     """The replicated state: leases held and waiting, in request order, and the log clock."""
@@ -104,11 +116,27 @@ class LeaseTable:
     last_token: int = 0
     position: int = 0
     # Insertion order is request order: the FIFO of waiting requests.
-    leases: dict[str, Lease] = field(default_factory=dict)
+    leases: MutableMapping[str, Lease] = field(default_factory=dict)
     # name -> ids of the leases holding it
-    holders: dict[str, list[str]] = field(default_factory=dict)
+    holders: MutableMapping[str, list[str]] = field(default_factory=dict)
     # The changes made by the record being applied (cleared by begin()).
     events: list[LeaseEvent] = field(default_factory=list)
+    # Indexes derived from ``leases`` (built again when a table is made from the fields above):
+    # ids of the waiting requests in request order, each lease's place in request order, and
+    # a heap of expiry times; ``_below``: the heaps of the tables a trial view sits on.
+    _waiting: MutableMapping[str, None] = field(init=False, repr=False, compare=False)
+    _seq: MutableMapping[str, int] = field(init=False, repr=False, compare=False)
+    _next_seq: int = field(init=False, repr=False, compare=False)
+    _expiry: list[_Entry] = field(init=False, repr=False, compare=False)
+    _below: tuple[list[_Entry], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._waiting = {i: None for i, lease in self.leases.items() if not lease.held}
+        self._seq = {lease_id: seq for seq, lease_id in enumerate(self.leases)}
+        self._next_seq = len(self._seq)
+        self._expiry = [(x.expires_at, self._seq[i], i) for i, x in self.leases.items()]
+        heapq.heapify(self._expiry)
+        self._below = ()
 
     # ------------------------------------------------------------------ replication hooks
 
@@ -132,6 +160,8 @@ class LeaseTable:
             if lease is not None:
                 state._drop(lease, "released")
         state._grant()
+        if not state._below:
+            state._tidy()
 
     # ------------------------------------------------------------------ queries
 
@@ -141,15 +171,29 @@ class LeaseTable:
 
     def waiting(self) -> list[Lease]:
         """The waiting requests, in the order they will be considered."""
-        return [lease for lease in self.leases.values() if not lease.held]
+        return [self.leases[i] for i in self._waiting]
 
     def next_expiry(self) -> float | None:
         """The earliest ``expires_at`` of any lease (held or waiting), or None."""
-        return min((lease.expires_at for lease in self.leases.values()), default=None)
+        best: float | None = None
+        for heap in (self._expiry, *self._below):
+            # Smallest entry first, skipping stale ones (at most the top one in a live table).
+            candidates: list[tuple[_Entry, int]] = [(heap[0], 0)] if heap else []
+            while candidates:
+                entry, index = heapq.heappop(candidates)
+                if best is not None and entry[0] >= best:
+                    break
+                if self._current(entry):
+                    best = entry[0]
+                    break
+                for child in (2 * index + 1, 2 * index + 2):
+                    if child < len(heap):
+                        heapq.heappush(candidates, (heap[child], child))
+        return best
 
     def copy(self) -> LeaseTable:
-        """An independent copy: the writer's trial state and a snapshot's. Leases and events
-        are immutable, so only the containers are copied (a deep copy cost ~0.2 ms a write)."""
+        """An independent copy (a snapshot's). Leases and events are immutable, so only the
+        containers are copied (a deep copy cost ~0.2 ms a write)."""
         return LeaseTable(
             self.clock,
             self.last_token,
@@ -159,9 +203,24 @@ class LeaseTable:
             list(self.events),
         )
 
+    def trial(self) -> LeaseTable:
+        """A copy-on-write view of this table, in O(1): the writer's trial state. It records
+        what changes in it apart; this table must not change while the view is in use."""
+        view = object.__new__(LeaseTable)
+        view.clock, view.last_token, view.position = self.clock, self.last_token, self.position
+        view.leases = DictOverlay(self.leases)
+        view.holders = DictOverlay(self.holders, copy_value=list)  # lists change in place
+        view.events = list(self.events)
+        view._waiting = DictOverlay(self._waiting)
+        view._seq = DictOverlay(self._seq)
+        view._next_seq = self._next_seq
+        view._expiry = []
+        view._below = (*self._below, self._expiry)
+        return view
+
     def simulate(self, op: dict[str, Any]) -> LeaseTable:
-        """A copy of this table with ``op`` applied (how a generator predicts an outcome)."""
-        trial = self.copy()
+        """A view of this table with ``op`` applied (how a generator predicts an outcome)."""
+        trial = self.trial()
         trial.events = []
         LeaseTable.apply(trial, op)
         return trial
@@ -178,7 +237,11 @@ class LeaseTable:
             raise ValueError(f"bad acquire op: {op!r}")
         ttl = _ttl_of(op)
         lease = Lease(lease_id, str(op["owner"]), names, mode, ttl, self.clock + ttl)
+        self._seq[lease_id] = self._next_seq
+        self._next_seq += 1
         self.leases[lease_id] = lease
+        self._waiting[lease_id] = None
+        self._index(lease)
         self.events.append(LeaseEvent("requested", lease, self.position))
 
     def _renew(self, lease_id: str, ttl: float) -> None:
@@ -187,28 +250,33 @@ class LeaseTable:
             return
         renewed = replace(lease, ttl=ttl, expires_at=self.clock + ttl)
         self.leases[lease_id] = renewed  # keeps its place in the FIFO
+        self._index(renewed)
         self.events.append(LeaseEvent("renewed", renewed, self.position))
 
     def _drop(self, lease: Lease, kind: EventKind) -> None:
         del self.leases[lease.id]
+        del self._seq[lease.id]  # its heap entries are stale from now on
         if lease.held:
             for name in lease.names:
                 ids = self.holders[name]
                 ids.remove(lease.id)
                 if not ids:
                     del self.holders[name]
+        else:
+            del self._waiting[lease.id]
         self.events.append(LeaseEvent(kind, lease, self.position))
 
     def _expire(self) -> None:
-        for lease in [x for x in self.leases.values() if x.expires_at <= self.clock]:
-            self._drop(lease, "expired")
+        # In request order, as a scan of ``leases`` would find them.
+        due = sorted({entry for entry in self._due() if self._current(entry)}, key=_seq_of)
+        for _, _, lease_id in due:
+            self._drop(self.leases[lease_id], "expired")
 
     def _grant(self) -> None:
         wanted_write: set[str] = set()  # names earlier waiting requests want to write
         wanted_read: set[str] = set()
-        for lease in list(self.leases.values()):
-            if lease.held:
-                continue
+        for lease_id in list(self._waiting):
+            lease = self.leases[lease_id]
             if self._grantable(lease, wanted_write, wanted_read):
                 self.last_token += 1
                 granted = replace(
@@ -218,6 +286,8 @@ class LeaseTable:
                     expires_at=self.clock + lease.ttl,
                 )
                 self.leases[lease.id] = granted
+                del self._waiting[lease.id]
+                self._index(granted)
                 for name in lease.names:
                     self.holders.setdefault(name, []).append(lease.id)
                 self.events.append(LeaseEvent("granted", granted, self.position))
@@ -232,6 +302,48 @@ class LeaseTable:
                 if lease.mode == "write" or self.leases[holder_id].mode == "write":
                     return False
         return True
+
+    # ------------------------------------------------------------------ the expiry heap
+
+    def _index(self, lease: Lease) -> None:
+        heapq.heappush(self._expiry, (lease.expires_at, self._seq[lease.id], lease.id))
+
+    def _current(self, entry: _Entry) -> bool:
+        expires_at, seq, lease_id = entry
+        lease = self.leases.get(lease_id)
+        return lease is not None and lease.expires_at == expires_at and self._seq[lease_id] == seq
+
+    def _due(self) -> Iterator[_Entry]:
+        """The heap entries due at the log clock (stale ones too)."""
+        clock, heap = self.clock, self._expiry
+        if not self._below:
+            while heap and heap[0][0] <= clock:
+                yield heapq.heappop(heap)
+            return
+        # A trial view: its own heap and those below it are read, never changed. Those below
+        # hold no entry at or before their table's clock, so this reads the few entries
+        # between that clock and this one.
+        for layer in (heap, *self._below):
+            stack = [0] if layer else []
+            while stack:
+                index = stack.pop()
+                if index < len(layer) and layer[index][0] <= clock:
+                    yield layer[index]
+                    stack.extend((2 * index + 1, 2 * index + 2))
+
+    def _tidy(self) -> None:
+        """Drop stale entries from the top of the heap (next_expiry reads the top), and
+        rebuild it when stale entries outnumber the leases (released ones stay otherwise)."""
+        heap = self._expiry
+        while heap and not self._current(heap[0]):
+            heapq.heappop(heap)
+        if len(heap) > 2 * len(self.leases) + 64:
+            self._expiry = [(x.expires_at, self._seq[i], i) for i, x in self.leases.items()]
+            heapq.heapify(self._expiry)
+
+
+def _seq_of(entry: _Entry) -> int:
+    return entry[1]
 
 
 def _parse(op: Any) -> tuple[str, float]:

@@ -142,6 +142,7 @@ class Ownership:
             apply=LeaseTable.apply,
             begin_record=LeaseTable.begin,
             copy_state=LeaseTable.copy,
+            trial_state=LeaseTable.trial,
             **manager_options,
         )
         self._pending: dict[str, asyncio.Future[Lease]] = {}
@@ -523,34 +524,35 @@ class Ownership:
         granted names another request waits for."""
         if not self._mine:
             return False
-        mine = self._mine | self._pending.keys()  # a request's id is in _mine once written
         for event in events:
             lease = event.lease
-            if event.kind == "requested" and lease.id not in mine:
+            if event.kind == "requested" and not self._is_mine(lease.id):
                 waiting = table.leases.get(lease.id)
                 if (
                     waiting is not None
                     and not waiting.held
-                    and self._only_mine_hold(waiting.names, table, mine)
+                    and self._only_mine_hold(waiting.names, table)
                 ):
                     return True
-            elif event.kind == "granted" and lease.id in mine:
-                for other in table.leases.values():
+            elif event.kind == "granted" and self._is_mine(lease.id):
+                for other in table.waiting():
                     if (
-                        not other.held
-                        and other.id not in mine
+                        not self._is_mine(other.id)
                         and not set(lease.names).isdisjoint(other.names)
-                        and self._only_mine_hold(other.names, table, mine)
+                        and self._only_mine_hold(other.names, table)
                     ):
                         return True
         return False
 
-    @staticmethod
-    def _only_mine_hold(names: tuple[str, ...], table: LeaseTable, mine: set[str]) -> bool:
+    def _is_mine(self, lease_id: str) -> bool:
+        # A request's id is in _mine once written; in _pending while its write is on the way.
+        return lease_id in self._mine or lease_id in self._pending
+
+    def _only_mine_hold(self, names: tuple[str, ...], table: LeaseTable) -> bool:
         # Other holders too (shared readers): their releases count as much; none takes the
         # writer ahead, rather than all of them at once.
         held = [lease_id for name in names for lease_id in table.holders.get(name, ())]
-        return bool(held) and all(lease_id in mine for lease_id in held)
+        return bool(held) and all(self._is_mine(lease_id) for lease_id in held)
 
     def _keep(self, lease_id: str, ttl: float, interval: float | None = None) -> None:
         # A timer, not a task sleeping per lease: nothing to start or cancel on the loop

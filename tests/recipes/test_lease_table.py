@@ -5,13 +5,14 @@ from __future__ import annotations
 import copy
 import itertools
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from pulsar_state import ConfigurationError
 from recipes import UnknownResourceError
-from recipes._lease_table import LeaseTable, check_names, check_ttl
+from recipes._lease_table import Lease, LeaseEvent, LeaseTable, check_names, check_ttl
 
 
 class Table:
@@ -201,3 +202,162 @@ def test_names_and_ttl_are_checked() -> None:
         with pytest.raises(ConfigurationError):
             check_ttl(ttl)  # type: ignore[arg-type]
     assert check_ttl(2) == 2.0
+
+
+class ScanningTable:
+    """The lease table's rules as plain scans over every lease (O(n) an op): the oracle the
+    indexed LeaseTable (expiry heap, waiting index, copy-on-write trials) must match."""
+
+    def __init__(self) -> None:
+        self.clock, self.last_token, self.position = 0.0, 0, 0
+        self.leases: dict[str, Lease] = {}
+        self.holders: dict[str, list[str]] = {}
+        self.events: list[LeaseEvent] = []
+
+    def apply(self, op: dict[str, Any]) -> None:
+        self.clock = max(self.clock, float(op["now"]))
+        for lease in [x for x in self.leases.values() if x.expires_at <= self.clock]:
+            self._drop(lease, "expired")
+        lease = self.leases.get(op.get("id", ""))
+        if op["op"] == "acquire" and lease is None:
+            names, ttl = tuple(op["names"]), float(op["ttl"])
+            new = Lease(op["id"], op["owner"], names, op["mode"], ttl, self.clock + ttl)
+            self.leases[new.id] = new
+            self.events.append(LeaseEvent("requested", new, self.position))
+        elif op["op"] == "renew" and lease is not None:
+            renewed = replace(lease, ttl=float(op["ttl"]), expires_at=self.clock + op["ttl"])
+            self.leases[lease.id] = renewed
+            self.events.append(LeaseEvent("renewed", renewed, self.position))
+        elif op["op"] == "release" and lease is not None:
+            self._drop(lease, "released")
+        wanted: dict[str, set[str]] = {"read": set(), "write": set()}
+        for lease in list(self.leases.values()):
+            if lease.held:
+                continue
+            blocked = any(
+                name in wanted["write"]
+                or (lease.mode == "write" and name in wanted["read"])
+                or any(
+                    lease.mode == "write" or self.leases[h].mode == "write"
+                    for h in self.holders.get(name, ())
+                )
+                for name in lease.names
+            )
+            if blocked:
+                wanted[lease.mode].update(lease.names)
+                continue
+            self.last_token += 1
+            granted = replace(
+                lease,
+                token=self.last_token,
+                position=self.position,
+                expires_at=self.clock + lease.ttl,
+            )
+            self.leases[lease.id] = granted
+            for name in lease.names:
+                self.holders.setdefault(name, []).append(lease.id)
+            self.events.append(LeaseEvent("granted", granted, self.position))
+
+    def _drop(self, lease: Lease, kind: str) -> None:
+        del self.leases[lease.id]
+        for name in lease.names if lease.held else ():
+            self.holders[name].remove(lease.id)
+            if not self.holders[name]:
+                del self.holders[name]
+        self.events.append(LeaseEvent(kind, lease, self.position))  # type: ignore[arg-type]
+
+
+def _random_op(rng: random.Random, now: float) -> dict[str, Any]:
+    lease_id = f"l{rng.randrange(30)}"
+    roll = rng.random()
+    if roll < 0.45:
+        names = rng.sample(["a", "b", "c", "d", "e"], rng.randint(1, 3))
+        mode = rng.choice(["read", "write"])
+        ttl = rng.choice([0.5, 1.0, 2.0, 5.0])
+        return {
+            "op": "acquire",
+            "id": lease_id,
+            "owner": "o",
+            "names": names,
+            "mode": mode,
+            "ttl": ttl,
+            "now": now,
+        }
+    if roll < 0.65:
+        return {"op": "renew", "id": lease_id, "ttl": rng.choice([0.5, 1.0, 3.0]), "now": now}
+    if roll < 0.9:
+        return {"op": "release", "id": lease_id, "now": now}
+    return {"op": "tick", "now": now}
+
+
+def _same(table: LeaseTable, oracle: ScanningTable) -> None:
+    assert list(table.leases.items()) == list(oracle.leases.items())
+    assert dict(table.holders) == oracle.holders
+    assert (table.clock, table.last_token, table.position) == (
+        oracle.clock,
+        oracle.last_token,
+        oracle.position,
+    )
+    assert table.events == oracle.events
+    assert table.waiting() == [x for x in oracle.leases.values() if not x.held]
+    expiries = [x.expires_at for x in oracle.leases.values()]
+    assert table.next_expiry() == min(expiries, default=None)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_indexed_table_decides_as_a_scan_of_every_lease_would(seed: int) -> None:
+    """Expiry by heap, grants over the waiting index, trial views and copies: every record's
+    leases, holders, tokens and events (in their order) as the O(n) scans decide them; a trial
+    view (and a view of a view) changes nothing below it."""
+    rng = random.Random(seed)
+    table, oracle = LeaseTable(), ScanningTable()
+    now = 0.0
+    for position in range(1, 400):
+        now += rng.choice([0.0, 0.05, 0.3, 1.0, -0.5])  # clocks may go back: the max counts
+        ops = [_random_op(rng, now + rng.random() * 0.1) for _ in range(rng.randint(1, 3))]
+        if rng.random() < 0.3:
+            before = table.copy()
+            view = table.trial()
+            shadow = copy.deepcopy(oracle)
+            LeaseTable.begin(view, position)
+            shadow.position, shadow.events = position, []
+            for op in ops:
+                LeaseTable.apply(view, op)
+                shadow.apply(op)
+            _same(view, shadow)
+            due = view.next_expiry()  # a tick exactly at an expiry: the boundary counts
+            tick = {"op": "tick", "now": now + 3 if due is None else due}
+            deeper = view.simulate(tick)
+            shadow.events = []
+            shadow.apply(tick)
+            _same(deeper, shadow)
+            assert table == before  # the views changed nothing below them
+        LeaseTable.begin(table, position)
+        oracle.position, oracle.events = position, []
+        for op in ops:
+            LeaseTable.apply(table, op)
+            oracle.apply(op)
+        _same(table, oracle)
+        if rng.random() < 0.05:
+            # A table made from its fields (a snapshot's codec) rebuilds its indexes.
+            table = LeaseTable(
+                table.clock,
+                table.last_token,
+                table.position,
+                dict(table.leases),
+                {k: list(v) for k, v in table.holders.items()},
+                list(table.events),
+            )
+    assert oracle.last_token > 30  # the run granted, expired and released a lot
+
+
+def test_stale_expiry_entries_do_not_pile_up() -> None:
+    """Released leases leave heap entries behind; the heap is rebuilt when those outnumber
+    the leases, so a busy lock with a long TTL keeps a small heap."""
+    table = Table()
+    table.acquire("long", ["x"], "write", now=0, ttl=10_000)
+    for i in range(5_000):
+        table.acquire(f"l{i}", ["y"], "write", now=i * 0.001, ttl=600)
+        table.record({"op": "release", "id": f"l{i}", "now": i * 0.001})
+    assert len(table.state._expiry) <= 2 * len(table.state.leases) + 64
+    assert table.state.next_expiry() == 10_000
