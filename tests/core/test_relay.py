@@ -396,3 +396,22 @@ async def test_a_relayed_chain_built_on_a_stale_state_is_retried_at_once(
         state = await holder.read(lambda s: s, latest=True)
         assert state["count"] == 8
         assert set(state["seen"].values()) == {1}
+
+
+async def test_records_a_process_appended_for_others_say_nothing_of_a_holder_once_it_let_go(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The holder appended another process's relayed record, then gave the writer up: that
+    # record is no sign of some other holder, so its next write takes the writer at once
+    # instead of being relayed to nobody (and retried after the relay's patience).
+    async with holder_and_sender(service_url, admin_url, topic) as (holder, other):
+        await other.write(tagged("other"))
+        await until(lambda: holder.stats.relayed_appended == 1, "appended by the holder")
+        writer = holder._parts.writer
+        assert writer is not None
+        await writer.release()
+        acquired = holder.stats.writer_acquisitions
+        result = await holder.write(tagged("again"), reader=lambda s: s["count"])
+        assert result.value == 3
+        assert holder.stats.records_relayed == 0
+        assert holder.stats.writer_acquisitions == acquired + 1
