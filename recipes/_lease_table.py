@@ -219,7 +219,8 @@ class LeaseTable:
         return view
 
     def simulate(self, op: dict[str, Any]) -> LeaseTable:
-        """A view of this table with ``op`` applied (how a generator predicts an outcome)."""
+        """A view of this table with ``op`` applied (how a generator predicts an outcome).
+        Read it at once: it sits on this table, so this table's later changes show through."""
         trial = self.trial()
         trial.events = []
         LeaseTable.apply(trial, op)
@@ -320,9 +321,9 @@ class LeaseTable:
             while heap and heap[0][0] <= clock:
                 yield heapq.heappop(heap)
             return
-        # A trial view: its own heap and those below it are read, never changed. Those below
-        # hold no entry at or before their table's clock, so this reads the few entries
-        # between that clock and this one.
+        # A trial view: its own heap and those below it are read, never changed. The live
+        # table's holds nothing at or before its clock, so this reads the few entries between
+        # that clock and this one (and a view's own entries, already dropped in it, again).
         for layer in (heap, *self._below):
             stack = [0] if layer else []
             while stack:
