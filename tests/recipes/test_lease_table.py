@@ -247,16 +247,12 @@ class ScanningTable:
                 wanted[lease.mode].update(lease.names)
                 continue
             self.last_token += 1
-            granted = replace(
-                lease,
-                token=self.last_token,
-                position=self.position,
-                expires_at=self.clock + lease.ttl,
-            )
+            fields = (lease.id, lease.owner, lease.names, lease.mode, lease.ttl)
+            granted = Lease(*fields, self.clock + lease.ttl, self.last_token, self.position)
             self.leases[lease.id] = granted
-            for name in lease.names:
-                self.holders.setdefault(name, []).append(lease.id)
             self.events.append(LeaseEvent("granted", granted, self.position))
+            for name in lease.names:
+                self.holders[name] = [*self.holders.get(name, []), lease.id]
 
     def _drop(self, lease: Lease, kind: str) -> None:
         del self.leases[lease.id]
@@ -304,6 +300,17 @@ def _same(table: LeaseTable, oracle: ScanningTable) -> None:
     assert table.next_expiry() == min(expiries, default=None)
 
 
+def _record_both(
+    table: LeaseTable, oracle: ScanningTable, position: int, ops: list[dict[str, Any]]
+) -> None:
+    LeaseTable.begin(table, position)
+    oracle.position, oracle.events = position, []
+    for op in ops:
+        LeaseTable.apply(table, op)
+        oracle.apply(op)
+    _same(table, oracle)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_indexed_table_decides_as_a_scan_of_every_lease_would(seed: int) -> None:
     """Expiry by heap, grants over the waiting index, trial views and copies: every record's
@@ -319,12 +326,7 @@ def test_the_indexed_table_decides_as_a_scan_of_every_lease_would(seed: int) -> 
             before = table.copy()
             view = table.trial()
             shadow = copy.deepcopy(oracle)
-            LeaseTable.begin(view, position)
-            shadow.position, shadow.events = position, []
-            for op in ops:
-                LeaseTable.apply(view, op)
-                shadow.apply(op)
-            _same(view, shadow)
+            _record_both(view, shadow, position, ops)
             due = view.next_expiry()  # a tick exactly at an expiry: the boundary counts
             tick = {"op": "tick", "now": now + 3 if due is None else due}
             deeper = view.simulate(tick)
@@ -332,12 +334,7 @@ def test_the_indexed_table_decides_as_a_scan_of_every_lease_would(seed: int) -> 
             shadow.apply(tick)
             _same(deeper, shadow)
             assert table == before  # the views changed nothing below them
-        LeaseTable.begin(table, position)
-        oracle.position, oracle.events = position, []
-        for op in ops:
-            LeaseTable.apply(table, op)
-            oracle.apply(op)
-        _same(table, oracle)
+        _record_both(table, oracle, position, ops)
         if rng.random() < 0.05:
             # A table made from its fields (a snapshot's codec) rebuilds its indexes.
             table = LeaseTable(
