@@ -170,6 +170,20 @@ class Replica(Generic[S, Op]):
             prefetch=read_ahead(self._context.settings.max_record_bytes),
         )
 
+    def pause_reading(self, applied_to: LogPosition) -> None:
+        """Stop reading while this process holds the topic's exclusive writer and has applied
+        everything up to ``applied_to``, the last record it appended: only its own records
+        can follow, applied on their acks. Reading resumes when anything waits for a position
+        or version not reached (a ledger's first entry, a fencer's records), and when the
+        writer is released (:meth:`resume_reading`; after ``idle_release_s`` at most)."""
+        reader = self._reader
+        if reader is not None and self.reached(applied_to):
+            reader.pause()
+
+    def resume_reading(self) -> None:
+        if self._reader is not None:
+            self._reader.resume()
+
     async def close_reader(self, timeout: float) -> None:
         if self._reader is not None:
             with contextlib.suppress(TimeoutError):
@@ -505,6 +519,7 @@ class Replica(Generic[S, Op]):
             future = asyncio.get_running_loop().create_future()
             future.set_result(None)
             return future
+        self.resume_reading()
         return self._log_waiters.add(target)
 
     async def wait_log(self, target: LogPosition | None) -> None:
@@ -540,6 +555,8 @@ class Replica(Generic[S, Op]):
             waiting.cancel()
 
     def version_waiter(self, version: int) -> asyncio.Future[None]:
+        if version > self.version:
+            self.resume_reading()
         return self._version_waiters.add(version)
 
     async def wait_version(self, version: int, timeout: float) -> None:

@@ -104,6 +104,10 @@ class ReadSide(Protocol):
 
     def check_ops(self, record: Record) -> None: ...
 
+    def pause_reading(self, applied_to: LogPosition) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
     def halt_with(self, error: PulsarStateError, cause: BaseException | None = None) -> None: ...
 
 
@@ -592,6 +596,8 @@ class Writer:
             replica.apply_own(payload, record, at)
         self._stats.records_sent += len(batch)
         self._stats.relayed_appended += len(acked)
+        if acked and failure is None:
+            replica.pause_reading(max(acked))
         if acked and not replica.reached(max(acked)):
             await self._bounded(replica.wait_log(max(acked)), "reading back relayed records")
         if failure is not None:
@@ -642,6 +648,7 @@ class Writer:
         self._pending.wake.set()
 
     async def release(self) -> None:
+        self._replica.resume_reading()  # records of other processes may come from now on
         producer, self._producer = self._producer, None
         if producer is not None:
             self._released_at = time.monotonic()
@@ -733,6 +740,8 @@ class Writer:
             acked.append(at)
             replica.apply_own(outgoing.payload, outgoing.record, at)
         self._stats.records_sent += len(records)
+        if acked and not failures:
+            replica.pause_reading(max(acked))  # if all applied: nothing to read back
         read_back: OperationTimeoutError | None = None
         if acked:
             # Every acked record is settled (accepted or ignored) once the pump passes it;

@@ -1,0 +1,132 @@
+"""The holder of the exclusive writer stops reading its own records back (it applies them on
+their acks), and still sees at once what any other process appends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from pulsar_state import SharedStateManager
+from pulsar_state._pulsar import StateReader
+from tests.core.helpers import Counter, counter_manager, incr
+from tests.support.waiting import until
+
+# Keeps the writer once it has it (no idle release, no turns).
+HOLD = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
+
+
+def count_delivered(manager: SharedStateManager[Any, Any]) -> list[int]:
+    """A one-item list counting the messages the manager's reader hands over from now on
+    (its own records read back included, which the pump then skips)."""
+    reader = manager._replica._reader
+    assert reader is not None
+    read_batch = reader.read_batch
+    delivered = [0]
+
+    async def counted() -> list[Any]:
+        batch = await read_batch()
+        delivered[0] += len(batch)
+        return batch
+
+    reader.read_batch = counted  # type: ignore[method-assign]
+    return delivered
+
+
+def reader_of(manager: SharedStateManager[Any, Any]) -> StateReader:
+    reader = manager._replica._reader
+    assert reader is not None
+    return reader
+
+
+async def write_until_paused(manager: SharedStateManager[Any, Any], tag: str) -> int:
+    """Write until the manager's reader pauses (a ledger's first entry is read back: the
+    replica cannot know it comes next); returns the writes made."""
+    for made in range(1, 4):
+        await manager.write(lambda s, made=made: [incr(f"{tag}{made}")])  # type: ignore[misc]
+        if reader_of(manager).paused:
+            return made
+    raise AssertionError("the holder's reader never paused")
+
+
+async def test_the_holder_does_not_read_its_own_records_back(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with counter_manager(service_url, topic, admin_url, **HOLD) as holder:
+        await holder.write(lambda s: [incr("first")])
+        delivered = count_delivered(holder)
+        for i in range(40):
+            await holder.write(lambda s, i=i: [incr(f"w{i}")])  # type: ignore[misc]
+        assert reader_of(holder).paused
+        # The record the reader was already waiting for when it paused, and a second's
+        # backlog should the writes outlast the pause's bound: not 40.
+        assert delivered[0] < 10, delivered[0]
+        state = await holder.read(lambda s: s, latest=True)
+        assert state["count"] == 41
+        assert set(state["seen"].values()) == {1}
+
+
+async def test_a_holder_that_lets_the_writer_go_reads_again(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Records appended by another process once the writer was released are read at once.
+    async with (
+        counter_manager(service_url, topic, admin_url, idle_release_s=0.2) as first,
+        counter_manager(service_url, topic, admin_url, relay_writes=False) as second,
+    ):
+        made = await write_until_paused(first, "first")
+        await until(lambda: first.stats.writer_releases == 1, "the idle release", 5.0)
+        assert not reader_of(first).paused  # resumed by the release (not the pause's bound)
+        await second.write(lambda s: [incr("second")])
+        await until(
+            lambda: first.read_local(lambda s: s["count"]) == made + 1, "seen by first", 5.0
+        )
+
+
+async def test_a_paused_holder_fenced_by_another_process_sees_its_writes(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The holder keeps the writer (idle) with its reader paused; another process takes the
+    # writer over with fencing and writes. The fenced holder's linearizable read, local
+    # state (within the pause's bound) and next write all see that write, applied once.
+    async with (
+        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
+        counter_manager(
+            service_url, topic, admin_url, takeover_after_s=0.3, relay_writes=False
+        ) as fencer,
+    ):
+        made = await write_until_paused(holder, "holder")
+        await fencer.write(lambda s: [incr("fencer")])
+        assert fencer.stats.writer_fencings == 1
+        seen_at = time.monotonic()
+        await until(
+            lambda: holder.read_local(lambda s: s["count"]) == made + 1, "seen locally", 5.0
+        )
+        # Bounded by the pause (one second), not by the holder's idle release (an hour).
+        assert time.monotonic() - seen_at < 3.0
+        assert (await holder.read(lambda s: s["count"], latest=True)) == made + 1
+        result = await holder.write(lambda s: [incr("again")], reader=lambda s: s["count"])
+        assert result.value == made + 2
+        for manager in (holder, fencer):
+            state: Counter = await manager.read(lambda s: s, latest=True)
+            assert set(state["seen"]) == {f"holder{i}" for i in range(1, made + 1)} | {
+                "fencer",
+                "again",
+            }
+            assert set(state["seen"].values()) == {1}
+
+
+async def test_a_paused_holders_linearizable_read_sees_a_fencers_write_at_once(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
+        counter_manager(
+            service_url, topic, admin_url, takeover_after_s=0.3, relay_writes=False
+        ) as fencer,
+    ):
+        made = await write_until_paused(holder, "holder")
+        await fencer.write(lambda s: [incr("fencer")])
+        # Well within the pause's one-second bound: the read resumes the reader itself.
+        count = await asyncio.wait_for(holder.read(lambda s: s["count"], latest=True), 0.5)
+        assert count == made + 1
