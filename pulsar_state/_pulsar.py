@@ -573,7 +573,7 @@ class StateReader:
     _BATCH_BYTES = 2 * 1024 * 1024
     _QUEUED_BYTES = 8 * 1024 * 1024
 
-    def __init__(self, reader: Any, topic: str) -> None:
+    def __init__(self, reader: Any, topic: str, *, after: LogPosition | None = None) -> None:
         self._async_reader = reader
         self._reader = reader._reader  # the C++ reader under pulsar.asyncio's wrapper
         self._topic = topic
@@ -591,6 +591,8 @@ class StateReader:
         # nothing but its own records can come (see pause()). Set again to stop the thread.
         self._reading = threading.Event()
         self._reading.set()
+        # The last message read off the client (by the thread; handed over or not yet).
+        self.last_read: LogPosition | None = after
         self._thread = threading.Thread(
             target=self._run, name=f"pulsar-state-reader-{topic}", daemon=True
         )
@@ -636,7 +638,9 @@ class StateReader:
             mid = msg.message_id()
             # The key is not read: the pump has no use for it, and each call crosses into C++.
             data = msg.data()
-            batch.append(RawMessage(data, LogPosition(mid.ledger_id(), mid.entry_id())))
+            position = LogPosition(mid.ledger_id(), mid.entry_id())
+            batch.append(RawMessage(data, position))
+            self.last_read = position
             batch_bytes += len(data)
             if len(batch) >= self._BATCH or batch_bytes >= self._BATCH_BYTES:
                 self._hand_over(batch, batch_bytes)
@@ -673,6 +677,14 @@ class StateReader:
     def resume(self) -> None:
         if not self._reading.is_set():
             self._reading.set()
+
+    def behind(self, position: LogPosition) -> int | None:
+        """How many messages this reader has yet to read up to ``position``; None when that
+        is not known (another ledger: its entry count is the broker's)."""
+        last = self.last_read
+        if last is None or last.ledger != position.ledger:
+            return None
+        return max(0, position.entry - last.entry)
 
     @property
     def paused(self) -> bool:
@@ -1087,7 +1099,7 @@ class PulsarConnection:
             timeout=self._operation_timeout_s,
             what=f"open a reader on {topic}",
         )
-        state_reader = StateReader(reader, topic)
+        state_reader = StateReader(reader, topic, after=after)
         self._readers = [r for r in self._readers if not r._stop.is_set()]
         self._readers.append(state_reader)
         return state_reader

@@ -75,6 +75,10 @@ _STALL_S = 5.0
 _READ_AHEAD_BYTES = 64 * 1024 * 1024
 
 
+# A holder's paused reader pauses again once it has this few of the holder's records left.
+_CAUGHT_UP = 4
+
+
 def read_ahead(max_record_bytes: int) -> int:
     """Messages a replica's reader may receive ahead of reads, for records up to the size
     this replica writes (records of other writers are rarely larger)."""
@@ -128,6 +132,7 @@ class Replica(Generic[S, Op]):
         # the writer, and probably still does for a moment (the writer's relay guess).
         self.foreign_at = float("-inf")
         self._writer_id = context.writer_id
+        self._read_ahead = read_ahead(context.settings.max_record_bytes)
 
     def load(
         self,
@@ -167,17 +172,34 @@ class Replica(Generic[S, Op]):
             str(self._topic),
             name=self._reader_name,
             after=self.read_to,
-            prefetch=read_ahead(self._context.settings.max_record_bytes),
+            prefetch=self._read_ahead,
         )
 
     def pause_reading(self, applied_to: LogPosition) -> None:
         """Stop reading while this process holds the topic's exclusive writer and has applied
         everything up to ``applied_to``, the last record it appended: only its own records
         can follow, applied on their acks. Reading resumes when anything waits for a position
-        or version not reached (a ledger's first entry, a fencer's records), and when the
-        writer is released (:meth:`resume_reading`; after ``idle_release_s`` at most)."""
+        or version not reached (a ledger's first entry, a fencer's records), when the writer
+        is released (:meth:`resume_reading`), after a second (the reader's bound), and while
+        the records left unread exceed the read-ahead: the reader then reads them (skipped,
+        in batches) and pauses again once caught up, so what it must read before anything
+        new stays bounded."""
         reader = self._reader
-        if reader is not None and self.reached(applied_to):
+        if reader is None:
+            return
+        behind = reader.behind(applied_to)
+        if reader.paused:
+            if behind is None or behind > self._read_ahead:
+                reader.resume()
+            return
+        if (
+            behind is not None
+            and behind <= _CAUGHT_UP
+            and self.reached(applied_to)
+            # A waiter resumed reading for a record this process may not have written.
+            and not self._log_waiters.waiting()
+            and not self._version_waiters.waiting()
+        ):
             reader.pause()
 
     def resume_reading(self) -> None:

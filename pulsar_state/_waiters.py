@@ -31,6 +31,13 @@ class Waiters(Generic[K]):
         heapq.heappush(self._heap, (target, next(self._tiebreak), future))
         return future
 
+    def waiting(self) -> bool:
+        """Whether a future still waits (one given up on counts until its target is
+        reached or passed, unless it is the first)."""
+        while self._heap and self._heap[0][2].done():
+            heapq.heappop(self._heap)
+        return bool(self._heap)
+
     def release(self, reached: K) -> None:
         """Complete every future whose target is at or below ``reached``."""
         while self._heap and self._heap[0][0] <= reached:

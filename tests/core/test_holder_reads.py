@@ -41,8 +41,9 @@ def reader_of(manager: SharedStateManager[Any, Any]) -> StateReader:
 
 async def write_until_paused(manager: SharedStateManager[Any, Any], tag: str) -> int:
     """Write until the manager's reader pauses (a ledger's first entry is read back: the
-    replica cannot know it comes next); returns the writes made."""
-    for made in range(1, 4):
+    replica cannot know it comes next; unread records are read first); returns the writes
+    made."""
+    for made in range(1, 11):
         await manager.write(lambda s, made=made: [incr(f"{tag}{made}")])  # type: ignore[misc]
         if reader_of(manager).paused:
             return made
@@ -130,3 +131,45 @@ async def test_a_paused_holders_linearizable_read_sees_a_fencers_write_at_once(
         # Well within the pause's one-second bound: the read resumes the reader itself.
         count = await asyncio.wait_for(holder.read(lambda s: s["count"], latest=True), 0.5)
         assert count == made + 1
+
+
+async def test_what_a_paused_holder_leaves_unread_stays_bounded(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Unread records are what the reader must get through before anything new (the first
+    # entry of the next ledger, another process's records): they never exceed the
+    # read-ahead, whatever the holder writes.
+    async with counter_manager(service_url, topic, admin_url, **HOLD) as holder:
+        await write_until_paused(holder, "first")
+        replica, reader = holder._replica, reader_of(holder)
+        worst = 0
+        for i in range(200):
+            await holder.write(lambda s, i=i: [incr(f"w{i}")])  # type: ignore[misc]
+            assert replica.read_to is not None
+            behind = reader.behind(replica.read_to)
+            assert behind is not None
+            worst = max(worst, behind)
+        # (Plus the few written while it reads them: not the 200.)
+        assert worst <= 2 * replica._read_ahead, (worst, replica._read_ahead)
+        await write_until_paused(holder, "again")  # it pauses again once caught up
+        state: Counter = await holder.read(lambda s: s, latest=True)
+        assert state["count"] == len(state["seen"]) >= 201
+        assert set(state["seen"].values()) == {1}
+
+
+async def test_a_late_ack_does_not_pause_a_reader_a_waiter_resumed(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A read waits for a record this process did not write (a fencer's) and resumes the
+    # reader; an ack of this process's own that arrives next must not pause it again, or
+    # the read waits out the pause's bound.
+    async with counter_manager(service_url, topic, admin_url, **HOLD) as holder:
+        await write_until_paused(holder, "first")
+        replica = holder._replica
+        assert replica.read_to is not None
+        ahead = replica.read_to._replace(entry=replica.read_to.entry + 1)
+        waiter = replica.log_waiter(ahead)
+        assert not reader_of(holder).paused
+        replica.pause_reading(replica.read_to)  # what the writer does on an ack
+        assert not reader_of(holder).paused
+        waiter.cancel()
