@@ -26,6 +26,7 @@ import queue
 import re
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -591,6 +592,7 @@ class StateReader:
         # nothing but its own records can come (see pause()). Set again to stop the thread.
         self._reading = threading.Event()
         self._reading.set()
+        self._paused_at = 0.0
         # The last message read off the client (by the thread; handed over or not yet).
         self.last_read: LogPosition | None = after
         self._thread = threading.Thread(
@@ -610,9 +612,13 @@ class StateReader:
                     self._hand_over(batch, batch_bytes)
                     batch, batch_bytes = [], 0
                 # Bounded: a holder fenced while idle (its writer not yet released) sees
-                # the fencer's records within a second, as before a write fails.
-                if not self._reading.wait(self._PAUSE_MAX_S):
+                # the fencer's records a second after its last write (a write of its own
+                # would fail, and its writer be released).
+                left = self._paused_at + self._PAUSE_MAX_S - time.monotonic()
+                if left <= 0:
                     self._reading.set()
+                else:
+                    self._reading.wait(left)
                 continue
             if batch and self._loop_waiting:
                 # The loop waits for messages: hand these over now rather than probe for
@@ -666,11 +672,10 @@ class StateReader:
             self._loop.call_soon_threadsafe(self._ready.set)
 
     def pause(self) -> None:
-        """Stop reading until :meth:`resume`; from the loop's thread. Messages not read stay
-        in the client's prefetch queue, and once it is full the broker sends no more: the
-        holder of the exclusive writer, which applies its records on their acks, skips
-        reading each back (measured: ~150 us of CPU a record, a thread and a loop wake-up).
-        Nothing is skipped: reading resumes where it stopped."""
+        """Stop reading until :meth:`resume`, or for a second from the latest call; from the
+        loop's thread. Messages not read stay in the client's prefetch queue, and once it is
+        full the broker sends no more. Nothing is skipped: reading resumes where it stopped."""
+        self._paused_at = time.monotonic()
         if self._reading.is_set():
             self._reading.clear()
 

@@ -75,8 +75,10 @@ _STALL_S = 5.0
 _READ_AHEAD_BYTES = 64 * 1024 * 1024
 
 
-# A holder's paused reader pauses again once it has this few of the holder's records left.
+# A holder's reader pauses once it has this few of the holder's records left to read, and
+# is replaced (its unread records skipped) once it has this many read-aheads left.
 _CAUGHT_UP = 4
+_SKIP_AFTER_READ_AHEADS = 16
 
 
 def read_ahead(max_record_bytes: int) -> int:
@@ -133,6 +135,8 @@ class Replica(Generic[S, Op]):
         self.foreign_at = float("-inf")
         self._writer_id = context.writer_id
         self._read_ahead = read_ahead(context.settings.max_record_bytes)
+        self._skip_after = _SKIP_AFTER_READ_AHEADS * self._read_ahead
+        self._replacing: asyncio.Future[None] | None = None
 
     def load(
         self,
@@ -178,19 +182,23 @@ class Replica(Generic[S, Op]):
     def pause_reading(self, applied_to: LogPosition) -> None:
         """Stop reading while this process holds the topic's exclusive writer and has applied
         everything up to ``applied_to``, the last record it appended: only its own records
-        can follow, applied on their acks. Reading resumes when anything waits for a position
-        or version not reached (a ledger's first entry, a fencer's records), when the writer
-        is released (:meth:`resume_reading`), after a second (the reader's bound), and while
-        the records left unread exceed the read-ahead: the reader then reads them (skipped,
-        in batches) and pauses again once caught up, so what it must read before anything
-        new stays bounded."""
+        can follow, applied on their acks, so reading each back is work for nothing (measured:
+        ~150 us of CPU a record). Reading resumes when anything waits for a position or
+        version not reached (a ledger's first entry, a fencer's records), when the writer is
+        released (:meth:`resume_reading`) and after a second (the reader's bound).
+
+        What the paused reader leaves unread is never read: past ``_SKIP_AFTER`` records, or
+        when reading is wanted while more than the read-ahead is unread, a new reader
+        replaces it just after :attr:`read_to` (see :meth:`_skip_unread`)."""
         reader = self._reader
         if reader is None:
             return
         behind = reader.behind(applied_to)
         if reader.paused:
-            if behind is None or behind > self._read_ahead:
-                reader.resume()
+            if behind is None or behind > self._skip_after:
+                self._skip_unread(reader)
+            elif self._replacing is None:
+                reader.pause()  # from now: the bound runs from the holder's latest write
             return
         if (
             behind is not None
@@ -203,8 +211,48 @@ class Replica(Generic[S, Op]):
             reader.pause()
 
     def resume_reading(self) -> None:
-        if self._reader is not None:
-            self._reader.resume()
+        """Read again (a waiter wants a record, or the writer was released): at once, or
+        through a new reader if the paused one left more than the read-ahead unread."""
+        reader = self._reader
+        if reader is None or not reader.paused:
+            return
+        behind = reader.behind(self.read_to) if self.read_to is not None else None
+        if behind is not None and behind <= self._read_ahead:
+            reader.resume()
+        else:
+            self._skip_unread(reader)
+
+    def _skip_unread(self, reader: StateReader) -> None:
+        """Replace ``reader`` (paused, behind with this process's own records) by one that
+        starts just after :attr:`read_to`, in a task; it keeps reading in the meantime only
+        if the replacement cannot be made."""
+        if self._replacing is not None or self._conn is None or self._behind is not None:
+            reader.resume()
+            return
+        self._replacing = asyncio.ensure_future(self._replace_reader(reader, self._conn))
+
+    async def _replace_reader(self, old: StateReader, conn: PulsarConnection) -> None:
+        try:
+            # Created before the old one is closed, so the pump has one to read at once;
+            # from read_to as of now: what this process applies meanwhile is skipped.
+            new = await conn.create_reader(
+                str(self._topic),
+                name=self._reader_name,
+                after=self.read_to,
+                prefetch=self._read_ahead,
+            )
+        except (PulsarStateError, TimeoutError) as exc:
+            logger.debug("replacing the paused reader of %s: %s", self._topic, exc)
+            old.resume()  # reads what it left instead
+            return
+        finally:
+            self._replacing = None
+        if self._reader is not old or self._context.closed or self.halt is not None:
+            await new.close()  # replaced (or closed) meanwhile by someone else
+            return
+        self._reader = new
+        self._stats.readers_replaced += 1
+        await old.close()  # the pump, waiting on it, goes on with the new one
 
     async def close_reader(self, timeout: float) -> None:
         if self._reader is not None:
@@ -244,12 +292,15 @@ class Replica(Generic[S, Op]):
     async def _next_batch(self) -> list[RawMessage] | None:
         """The next messages; None once closed. A reader that failed for good is replaced
         after a pause, resuming right after the last message this replica has handled."""
-        assert self._reader is not None
+        reader = self._reader
+        assert reader is not None
         try:
-            return await self._reader.read_batch()  # the hot path: no retry machinery
+            return await reader.read_batch()  # the hot path: no retry machinery
         except PulsarStateError as exc:
             if self._context.closed:
                 return None
+            if self._reader is not reader and self._reader is not None:
+                return []  # replaced on purpose (a holder's unread records skipped)
             logger.warning("reading %s failed (%s); reopening the reader", self._topic, exc)
         await asyncio.sleep(_REOPEN_PAUSE_S)  # the client reconnects by itself meanwhile
         try:

@@ -130,6 +130,9 @@ class ManagerStats:
     # the writer: those count in records_sent too).
     records_relayed: int = 0
     relayed_appended: int = 0
+    # Times the reader of this manager, paused as the writer's holder, was replaced to skip
+    # the holder's own records it left unread (instead of reading them back).
+    readers_replaced: int = 0
     # From submit to outcome, per write of this manager; per record applied by the replica.
     write_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     apply_latency: LatencyHistogram = field(default_factory=LatencyHistogram)

@@ -70,6 +70,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "pulsar_state_relayed_appended",
         "Records of other processes this manager appended as the writer (in records_sent too).",
     ),
+    "readers_replaced": (
+        "pulsar_state_readers_replaced",
+        "Times the writer's holder replaced its paused reader to skip its own records.",
+    ),
     "snapshots_written": ("pulsar_state_snapshots_written", "Snapshots this manager wrote."),
     "history_trims": (
         "pulsar_state_history_trims",

@@ -7,6 +7,8 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
+
 from pulsar_state import SharedStateManager
 from pulsar_state._pulsar import StateReader
 from tests.core.helpers import Counter, counter_manager, incr
@@ -133,27 +135,39 @@ async def test_a_paused_holders_linearizable_read_sees_a_fencers_write_at_once(
         assert count == made + 1
 
 
-async def test_what_a_paused_holder_leaves_unread_stays_bounded(
-    service_url: str, admin_url: str, topic: str
+async def test_what_a_paused_holder_leaves_unread_is_skipped_not_read(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Unread records are what the reader must get through before anything new (the first
-    # entry of the next ledger, another process's records): they never exceed the
-    # read-ahead, whatever the holder writes.
-    async with counter_manager(service_url, topic, admin_url, **HOLD) as holder:
+    # Unread records are what the reader would get through before anything new (the first
+    # entry of the next ledger, another process's records): past a bound, a new reader
+    # replaces the paused one just after what was applied, and they are never read.
+    # 4 MiB records: a read-ahead of 16, replaced past 16 * 16 unread.
+    delivered = [0]
+    read_batch = StateReader.read_batch
+
+    async def counted(self: StateReader) -> list[Any]:
+        batch = await read_batch(self)
+        delivered[0] += len(batch)
+        return batch
+
+    monkeypatch.setattr(StateReader, "read_batch", counted)
+    options = {**HOLD, "max_record_bytes": 4 * 1024 * 1024}
+    async with counter_manager(service_url, topic, admin_url, **options) as holder:
         await write_until_paused(holder, "first")
-        replica, reader = holder._replica, reader_of(holder)
-        worst = 0
-        for i in range(200):
+        replica = holder._replica
+        bound = replica._skip_after
+        assert bound == 256
+        delivered[0], worst = 0, 0
+        for i in range(2 * bound + 50):
             await holder.write(lambda s, i=i: [incr(f"w{i}")])  # type: ignore[misc]
             assert replica.read_to is not None
-            behind = reader.behind(replica.read_to)
-            assert behind is not None
-            worst = max(worst, behind)
-        # (Plus the few written while it reads them: not the 200.)
-        assert worst <= 2 * replica._read_ahead, (worst, replica._read_ahead)
-        await write_until_paused(holder, "again")  # it pauses again once caught up
+            worst = max(worst, reader_of(holder).behind(replica.read_to) or 0)
+        assert holder.stats.readers_replaced >= 2
+        assert worst <= bound + 16, worst  # (plus the few written while one is made)
+        # Those written while a new reader is made are read: a few dozen, not the 562.
+        assert delivered[0] < 150, delivered[0]
         state: Counter = await holder.read(lambda s: s, latest=True)
-        assert state["count"] == len(state["seen"]) >= 201
+        assert state["count"] == len(state["seen"]) >= 2 * bound + 51
         assert set(state["seen"].values()) == {1}
 
 
