@@ -195,9 +195,11 @@ class Replica(Generic[S, Op]):
             return
         behind = reader.behind(applied_to)
         if reader.paused:
+            if self._replacing is not None:
+                return  # being replaced: the old one stays paused until it is closed
             if behind is None or behind > self._skip_after:
                 self._skip_unread(reader)
-            elif self._replacing is None:
+            else:
                 reader.pause()  # from now: the bound runs from the holder's latest write
             return
         if (
@@ -226,10 +228,22 @@ class Replica(Generic[S, Op]):
         """Replace ``reader`` (paused, behind with this process's own records) by one that
         starts just after :attr:`read_to`, in a task; it keeps reading in the meantime only
         if the replacement cannot be made."""
-        if self._replacing is not None or self._conn is None or self._behind is not None:
+        if (
+            self._replacing is not None  # (a waiter: the old one reads on meanwhile)
+            or self._conn is None
+            or self._behind is not None
+            or self._context.closed
+        ):
             reader.resume()
             return
         self._replacing = asyncio.ensure_future(self._replace_reader(reader, self._conn))
+        self._replacing.add_done_callback(self._replaced)
+
+    def _replaced(self, task: asyncio.Future[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning(
+                "replacing the paused reader of %s failed", self._topic, exc_info=task.exception()
+            )
 
     async def _replace_reader(self, old: StateReader, conn: PulsarConnection) -> None:
         try:
@@ -241,7 +255,7 @@ class Replica(Generic[S, Op]):
                 after=self.read_to,
                 prefetch=self._read_ahead,
             )
-        except (PulsarStateError, TimeoutError) as exc:
+        except Exception as exc:  # any: nobody awaits this task
             logger.debug("replacing the paused reader of %s: %s", self._topic, exc)
             old.resume()  # reads what it left instead
             return
@@ -255,6 +269,11 @@ class Replica(Generic[S, Op]):
         await old.close()  # the pump, waiting on it, goes on with the new one
 
     async def close_reader(self, timeout: float) -> None:
+        replacing = self._replacing
+        if replacing is not None:
+            # A replacement under way creates a reader: it must not outlive the close.
+            replacing.cancel()
+            await asyncio.wait({replacing}, timeout=timeout)
         if self._reader is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reader.close(), timeout)
@@ -315,8 +334,14 @@ class Replica(Generic[S, Op]):
                         return None
                     assert self._conn is not None
                     await self.open_reader(self._conn)
-                    assert self._reader is not None
-                    return await self._reader.read_batch()
+                    reader = self._reader
+                    assert reader is not None
+                    try:
+                        return await reader.read_batch()
+                    except PulsarStateError:
+                        if self._reader is not reader and self._reader is not None:
+                            return []  # replaced on purpose (see above)
+                        raise
         except PulsarStateError:
             if self._context.closed:
                 return None

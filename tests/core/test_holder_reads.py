@@ -187,3 +187,70 @@ async def test_a_late_ack_does_not_pause_a_reader_a_waiter_resumed(
         replica.pause_reading(replica.read_to)  # what the writer does on an ack
         assert not reader_of(holder).paused
         waiter.cancel()
+
+
+async def test_closing_a_holder_far_behind_makes_no_new_reader(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Closing releases the writer, which wants reading again with more than a read-ahead
+    # unread: no new reader may be made for a manager that is closing.
+    options = {**HOLD, "max_record_bytes": 4 * 1024 * 1024}  # a read-ahead of 16
+    holder = counter_manager(service_url, topic, admin_url, **options)
+    async with holder:
+        await write_until_paused(holder, "first")
+        for i in range(40):
+            await holder.write(lambda s, i=i: [incr(f"w{i}")])  # type: ignore[misc]
+        replica = holder._replica
+        assert replica.read_to is not None
+        assert (reader_of(holder).behind(replica.read_to) or 0) > replica._read_ahead
+        conn = replica._conn
+        assert conn is not None
+        create_reader, created = conn.create_reader, []
+
+        async def counted(*args: Any, **kwargs: Any) -> StateReader:
+            created.append(args)
+            return await create_reader(*args, **kwargs)
+
+        monkeypatch.setattr(conn, "create_reader", counted)
+    assert created == []
+    assert holder._replica._replacing is None
+    pending = [t for t in asyncio.all_tasks() if "_replace_reader" in repr(t.get_coro())]
+    assert pending == []
+
+
+async def test_writes_during_a_replacement_leave_the_old_reader_paused(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # While a new reader is being made, the holder's writes keep the old one paused: it
+    # does not read back the records it is about to skip.
+    delivered = [0]
+    read_batch = StateReader.read_batch
+
+    async def counted(self: StateReader) -> list[Any]:
+        batch = await read_batch(self)
+        delivered[0] += len(batch)
+        return batch
+
+    monkeypatch.setattr(StateReader, "read_batch", counted)
+    options = {**HOLD, "max_record_bytes": 4 * 1024 * 1024}  # replaced past 256 unread
+    async with counter_manager(service_url, topic, admin_url, **options) as holder:
+        await write_until_paused(holder, "first")
+        conn = holder._replica._conn
+        assert conn is not None
+        create_reader = conn.create_reader
+
+        async def slowly(*args: Any, **kwargs: Any) -> StateReader:
+            await asyncio.sleep(0.5)
+            return await create_reader(*args, **kwargs)
+
+        monkeypatch.setattr(conn, "create_reader", slowly)
+        delivered[0] = 0
+        for i in range(270):
+            await holder.write(lambda s, i=i: [incr(f"w{i}")])  # type: ignore[misc]
+        assert holder._replica._replacing is not None
+        for i in range(30):
+            await holder.write(lambda s, i=i: [incr(f"x{i}")])  # type: ignore[misc]
+        await until(lambda: holder.stats.readers_replaced == 1, "replaced", 5.0)
+        # The new reader starts after what was applied when it was asked for, so it reads
+        # the 30 written since; the old one read none of the 270 it left.
+        assert delivered[0] < 100, delivered[0]
