@@ -325,13 +325,22 @@ class SystemResult:
 
 
 def measure(
-    system: str, target: dict[str, Any], uncontended: int, handovers: int, label: str = ""
+    system: str,
+    target: dict[str, Any],
+    uncontended: int,
+    handovers: int,
+    label: str = "",
+    warmup: int = 0,
 ) -> SystemResult:
     holder = Worker(system, target)
     waiter = Worker(system, target)
     try:
-        holder.send("uncontended", max(3, uncontended // 10))  # warm up connections and caches
+        # The same warm-up for every system (connections, caches, a JVM's compiled paths):
+        # servers run for long in production, and each is measured warm.
+        holder.send("uncontended", max(3, warmup))
         holder.reply()
+        for queued in (QUEUED_S, 0):
+            handover_gaps(holder, waiter, max(1, warmup // 100), queued)
         holder.send("uncontended", uncontended)
         alone: list[float] = holder.reply()
         gaps = {
@@ -539,6 +548,7 @@ def run(
     idle_release_s: Sequence[float] = (),
     without_relay: bool = False,
     floor: dict[str, float] | None = None,
+    warmup: int = 0,
 ) -> tuple[list[SystemResult], dict[str, str]]:
     """Measure each system in turn; returns the results and the skipped peers' reasons.
 
@@ -547,6 +557,8 @@ def run(
     Each ``idle_release_s`` adds a run of the library with that manager setting (how long a
     process keeps the topic's writer after its last write), labelled with it;
     ``without_relay`` one with ``relay_writes=False`` (every write takes the writer itself).
+    ``warmup``: acquire+release rounds (and a hundredth as many handovers of each kind) each
+    system makes before it is measured.
     """
     results: list[SystemResult] = []
     skipped: dict[str, str] = {}
@@ -569,7 +581,7 @@ def run(
                         "options": options,
                     }
                     say(f"... {label} (Ownership)")
-                    results.append(measure(system, target, uncontended, handovers, label))
+                    results.append(measure(system, target, uncontended, handovers, label, warmup))
                 if floor is not None:
                     say("... raw pulsar-client: two sequential sends (the floor)")
                     floor["pulsar_two_sends_p50_ms"] = two_sends_p50_ms(
@@ -586,7 +598,7 @@ def run(
         say(f"... {system}")
         server = zookeeper_server() if system == "zookeeper" else etcd_server()
         with server as target:
-            results.append(measure(system, target, uncontended, handovers))
+            results.append(measure(system, target, uncontended, handovers, warmup=warmup))
     return results, skipped
 
 
@@ -656,6 +668,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--uncontended", type=int, help="acquire+release rounds per system")
     parser.add_argument("--handovers", type=int, help="handover rounds per system")
     parser.add_argument(
+        "--warmup",
+        type=int,
+        help="acquire+release rounds each system makes before it is measured (default: 4 "
+        "times --uncontended; a hundredth as many handovers of each kind)",
+    )
+    parser.add_argument(
         "--idle-release-s",
         type=float,
         nargs="*",
@@ -673,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     uncontended = args.uncontended or (100 if args.quick else 500)
     handovers = args.handovers or (30 if args.quick else 200)
+    warmup = 4 * uncontended if args.warmup is None else args.warmup
     systems = args.only or list(SYSTEMS)
     floor: dict[str, float] = {}
     results, skipped = run(
@@ -685,6 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         idle_release_s=args.idle_release_s,
         without_relay=args.without_relay,
         floor=floor,
+        warmup=warmup,
     )
     print(side_by_side(results))
     for name, value in floor.items():
@@ -699,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     document: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     document["locks"] = {
         "mode": "quick" if args.quick else "full",
+        "warmup_rounds": warmup,
         # Other work on this machine's 2 cores shows in the tails: record how busy it was.
         "environment": {**environment(), "load_average_1m": os.getloadavg()[0]},
         "systems": [asdict(r) for r in results],
