@@ -187,9 +187,10 @@ class Replica(Generic[S, Op]):
         version not reached (a ledger's first entry, a fencer's records), when the writer is
         released (:meth:`resume_reading`) and after a second (the reader's bound).
 
-        What the paused reader leaves unread is never read: past ``_SKIP_AFTER`` records, or
-        when reading is wanted while more than the read-ahead is unread, a new reader
-        replaces it just after :attr:`read_to` (see :meth:`_skip_unread`)."""
+        What the paused reader leaves unread is never read: past ``_SKIP_AFTER_READ_AHEADS``
+        read-aheads of it, or when reading is wanted while more than one read-ahead is
+        unread, a new reader replaces it just after :attr:`read_to` (see
+        :meth:`_skip_unread`)."""
         reader = self._reader
         if reader is None:
             return
@@ -318,8 +319,8 @@ class Replica(Generic[S, Op]):
         except PulsarStateError as exc:
             if self._context.closed:
                 return None
-            if self._reader is not reader and self._reader is not None:
-                return []  # replaced on purpose (a holder's unread records skipped)
+            if self._swapped(reader):
+                return []
             logger.warning("reading %s failed (%s); reopening the reader", self._topic, exc)
         await asyncio.sleep(_REOPEN_PAUSE_S)  # the client reconnects by itself meanwhile
         try:
@@ -339,14 +340,19 @@ class Replica(Generic[S, Op]):
                     try:
                         return await reader.read_batch()
                     except PulsarStateError:
-                        if self._reader is not reader and self._reader is not None:
-                            return []  # replaced on purpose (see above)
+                        if self._swapped(reader):
+                            return []
                         raise
         except PulsarStateError:
             if self._context.closed:
                 return None
             raise
         raise AssertionError("unreachable: the reads are retried until one succeeds")
+
+    def _swapped(self, reader: StateReader) -> bool:
+        """Whether ``reader`` was closed because another replaced it on purpose (a holder's
+        unread records skipped): the pump goes on with the new one, no failure."""
+        return self._reader is not reader and self._reader is not None
 
     def _worth_retrying(self, exc: BaseException) -> bool:
         return isinstance(exc, PulsarStateError) and not self._context.closed

@@ -18,20 +18,18 @@ from tests.support.waiting import until
 HOLD = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
 
 
-def count_delivered(manager: SharedStateManager[Any, Any]) -> list[int]:
-    """A one-item list counting the messages the manager's reader hands over from now on
-    (its own records read back included, which the pump then skips)."""
-    reader = manager._replica._reader
-    assert reader is not None
-    read_batch = reader.read_batch
+def count_delivered(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A one-item list counting the messages every reader hands over from now on (a holder's
+    own records read back included, which the pump then skips)."""
+    read_batch = StateReader.read_batch
     delivered = [0]
 
-    async def counted() -> list[Any]:
-        batch = await read_batch()
+    async def counted(self: StateReader) -> list[Any]:
+        batch = await read_batch(self)
         delivered[0] += len(batch)
         return batch
 
-    reader.read_batch = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(StateReader, "read_batch", counted)
     return delivered
 
 
@@ -53,11 +51,12 @@ async def write_until_paused(manager: SharedStateManager[Any, Any], tag: str) ->
 
 
 async def test_the_holder_does_not_read_its_own_records_back(
-    service_url: str, admin_url: str, topic: str
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    delivered = count_delivered(monkeypatch)
     async with counter_manager(service_url, topic, admin_url, **HOLD) as holder:
         await holder.write(lambda s: [incr("first")])
-        delivered = count_delivered(holder)
+        delivered[0] = 0
         for i in range(40):
             await holder.write(lambda s, i=i: [incr(f"w{i}")])  # type: ignore[misc]
         assert reader_of(holder).paused
@@ -142,15 +141,7 @@ async def test_what_a_paused_holder_leaves_unread_is_skipped_not_read(
     # entry of the next ledger, another process's records): past a bound, a new reader
     # replaces the paused one just after what was applied, and they are never read.
     # 4 MiB records: a read-ahead of 16, replaced past 16 * 16 unread.
-    delivered = [0]
-    read_batch = StateReader.read_batch
-
-    async def counted(self: StateReader) -> list[Any]:
-        batch = await read_batch(self)
-        delivered[0] += len(batch)
-        return batch
-
-    monkeypatch.setattr(StateReader, "read_batch", counted)
+    delivered = count_delivered(monkeypatch)
     options = {**HOLD, "max_record_bytes": 4 * 1024 * 1024}
     async with counter_manager(service_url, topic, admin_url, **options) as holder:
         await write_until_paused(holder, "first")
@@ -223,15 +214,7 @@ async def test_writes_during_a_replacement_leave_the_old_reader_paused(
 ) -> None:
     # While a new reader is being made, the holder's writes keep the old one paused: it
     # does not read back the records it is about to skip.
-    delivered = [0]
-    read_batch = StateReader.read_batch
-
-    async def counted(self: StateReader) -> list[Any]:
-        batch = await read_batch(self)
-        delivered[0] += len(batch)
-        return batch
-
-    monkeypatch.setattr(StateReader, "read_batch", counted)
+    delivered = count_delivered(monkeypatch)
     options = {**HOLD, "max_record_bytes": 4 * 1024 * 1024}  # replaced past 256 unread
     async with counter_manager(service_url, topic, admin_url, **options) as holder:
         await write_until_paused(holder, "first")
