@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from pulsar_state._pulsar import StateReader
 from tests.core.helpers import Counter, counter_manager, incr
 from tests.support.waiting import until
 
+Manager = SharedStateManager[Counter, dict[str, Any]]
 # Keeps the writer once it has it (no idle release, no turns).
 HOLD = {"idle_release_s": 3600.0, "max_hold_s": 3600.0}
 
@@ -85,12 +88,12 @@ async def test_a_holder_that_lets_the_writer_go_reads_again(
         )
 
 
-async def test_a_paused_holder_fenced_by_another_process_sees_its_writes(
+@asynccontextmanager
+async def fenced_while_paused(
     service_url: str, admin_url: str, topic: str
-) -> None:
-    # The holder keeps the writer (idle) with its reader paused; another process takes the
-    # writer over with fencing and writes. The fenced holder's linearizable read, local
-    # state (within the pause's bound) and next write all see that write, applied once.
+) -> AsyncIterator[tuple[Manager, Manager, int]]:
+    """(holder, fencer, writes the holder made): the holder keeps the writer with its reader
+    paused; the fencer then took the writer over with fencing and wrote once."""
     async with (
         counter_manager(service_url, topic, admin_url, **HOLD) as holder,
         counter_manager(
@@ -99,6 +102,16 @@ async def test_a_paused_holder_fenced_by_another_process_sees_its_writes(
     ):
         made = await write_until_paused(holder, "holder")
         await fencer.write(lambda s: [incr("fencer")])
+        yield holder, fencer, made
+
+
+async def test_a_paused_holder_fenced_by_another_process_sees_its_writes(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The holder keeps the writer (idle) with its reader paused; another process takes the
+    # writer over with fencing and writes. The fenced holder's linearizable read, local
+    # state (within the pause's bound) and next write all see that write, applied once.
+    async with fenced_while_paused(service_url, admin_url, topic) as (holder, fencer, made):
         assert fencer.stats.writer_fencings == 1
         seen_at = time.monotonic()
         await until(
@@ -121,14 +134,7 @@ async def test_a_paused_holder_fenced_by_another_process_sees_its_writes(
 async def test_a_paused_holders_linearizable_read_sees_a_fencers_write_at_once(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    async with (
-        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
-        counter_manager(
-            service_url, topic, admin_url, takeover_after_s=0.3, relay_writes=False
-        ) as fencer,
-    ):
-        made = await write_until_paused(holder, "holder")
-        await fencer.write(lambda s: [incr("fencer")])
+    async with fenced_while_paused(service_url, admin_url, topic) as (holder, _, made):
         # Well within the pause's one-second bound: the read resumes the reader itself.
         count = await asyncio.wait_for(holder.read(lambda s: s["count"], latest=True), 0.5)
         assert count == made + 1
