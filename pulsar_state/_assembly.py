@@ -243,10 +243,15 @@ class Assembly(Generic[S, Op]):
             # Opened in the background: until it is, writes take the writer.
             self._tasks.append(
                 asyncio.create_task(
-                    self.relay.open(conn, self.writer.accept_foreign),
+                    self._open_relay(self.relay, conn, self.writer),
                     name=f"pulsar-state-relay-{topic}",
                 )
             )
+
+    @staticmethod
+    async def _open_relay(relay: Relay, conn: PulsarConnection, writer: Writer) -> None:
+        await relay.open(conn, writer.accept_foreign)
+        writer.relay_changed()
 
     async def _resume(self, durable: DurableState[S], mark: LogMark, deadline: float) -> _Resume:
         """Start from what a durable state has stored (``mark``, loaded into the replica

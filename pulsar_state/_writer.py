@@ -68,9 +68,13 @@ _RELAY_PATIENCE_S = 0.05
 # A write whose relayed records were ignored (stale) this many times takes the writer.
 _RELAY_TRIES = 3
 # With a relay, the holder gives others a turn after max_hold_s only when one asks for it
-# (their writes are relayed meanwhile), or after this many times max_hold_s (for processes
-# without the relay, which can only poll).
+# (their writes are relayed meanwhile). Processes without the relay can only poll: for them
+# it gives one unasked after this many times max_hold_s, at a moment no write is queued (no
+# pause: a write of its own that comes next takes the writer back unless a poller has it),
+# and, if writes never leave it idle, after _UNASKED_BUSY_FACTOR times, with the pause. It
+# was given while busy at 10x: every 10 s, a holder's queued writes stalled 50 ms or more.
 _UNASKED_TURN_FACTOR = 10
+_UNASKED_BUSY_FACTOR = 30
 # How many ids of stale relayed records the holder remembers (see _append_foreign).
 _STALE_REMEMBERED = 1024
 # Records relayed by others, waiting for the holder to append them: more are dropped (their
@@ -149,6 +153,10 @@ class Writer:
         self._after_batch = after_batch
         self._producer: StateWriter | None = None
         self._producer_since = 0.0
+        # Held since (the busy bound of unasked turns): idle turns do not reset it, as the
+        # holder usually takes the writer straight back from them.
+        self._unpaused_since = 0.0
+        self._idle_turn = False  # the last release was an unasked turn given while idle
         self._release_when_idle = False  # release_soon(): skip the idle wait once
         self._take_ahead = False  # take_ahead(): acquire before any write is queued
         self._relay = relay
@@ -208,8 +216,9 @@ class Writer:
             pending.drop_finished_head()  # (writes the watchdog failed are no reason to turn)
             held_for = loop.time() - self._producer_since
             busy = bool(pending.queue or self._foreign or self._turn_requested)
-            if self._producer is not None and busy and self._turn_due(held_for):
+            if self._producer is not None and busy and self._turn_due(held_for, loop.time()):
                 # Let writers in other processes have a turn; they poll for the writer.
+                logger.debug("giving the writer of %s up for a turn, writes queued", self._topic)
                 await self.release()
                 await asyncio.sleep(_TURN_PAUSE_S)
                 continue
@@ -234,15 +243,29 @@ class Writer:
                     await self.release()
                     continue
                 idle = self._settings.idle_release_s
+                unasked_turn = False
                 if self._turn_requested:
                     # Asked for a turn while idle: give it once max_hold_s has passed.
                     idle = min(idle, max(0.0, self._settings.max_hold_s - held_for))
-                try:
-                    # A timeout scope, not wait_for: no task per idle wait (one per write).
-                    async with asyncio.timeout(idle):
-                        await wake.wait()
-                except TimeoutError:
-                    await self.release()
+                elif self._relay_up():
+                    # The turn given unasked (see _UNASKED_TURN_FACTOR), while nothing is queued.
+                    unasked = _UNASKED_TURN_FACTOR * self._settings.max_hold_s - held_for
+                    if unasked < idle:
+                        idle, unasked_turn = max(0.0, unasked), True
+                if idle > 0 or not unasked_turn:
+                    try:
+                        # A timeout scope, not wait_for: no task per idle wait (one per write).
+                        async with asyncio.timeout(idle):
+                            await wake.wait()
+                        continue
+                    except TimeoutError:
+                        pass
+                if pending.queue or self._foreign:
+                    continue  # came as the wait ended: served first, the turn comes later
+                if unasked_turn:
+                    logger.debug("giving the writer of %s up for a turn, idle", self._topic)
+                await self.release()
+                self._idle_turn = unasked_turn
                 continue
             # Deadlines are the watchdog's job; here only finished writes are dropped.
             pending.drop_finished_head()
@@ -348,6 +371,9 @@ class Writer:
             pending.expire(loop.time())
             raise
         self._producer_since = loop.time()
+        if not self._idle_turn:
+            self._unpaused_since = self._producer_since
+        self._idle_turn = False
         self._take_ahead = False
         self._turn_requested = False  # asked of an earlier holding
         self._relay_next = False
@@ -388,13 +414,16 @@ class Writer:
         self._foreign.append(payload)
         self._pending.wake.set()
 
-    def _turn_due(self, held_for: float) -> bool:
+    def _turn_due(self, held_for: float, now: float) -> bool:
         max_hold = self._settings.max_hold_s
         if held_for <= max_hold:
             return False
-        if self._relay is None or not self._relay.ready or self._turn_requested:
+        if not self._relay_up() or self._turn_requested:
             return True
-        return held_for > _UNASKED_TURN_FACTOR * max_hold
+        return now - self._unpaused_since > _UNASKED_BUSY_FACTOR * max_hold
+
+    def _relay_up(self) -> bool:
+        return self._relay is not None and self._relay.ready
 
     def _request_turn(self) -> None:
         """Ask the holder (through the relay, if up) for a turn, in the background; at most
@@ -633,6 +662,10 @@ class Writer:
             self._take_ahead = True
             self._pending.wake.set()
 
+    def relay_changed(self) -> None:
+        """The relay opened (or failed to): an idle holder's turns now follow other rules."""
+        self._pending.wake.set()
+
     def cancel_background(self) -> None:
         """Stop what the writer left running beside its loop (a turn request), at close."""
         if self._turn_task is not None:
@@ -642,7 +675,7 @@ class Writer:
         """Release the writer as soon as no write is queued, without the idle wait (also
         when it is taken again first, e.g. after a failed send or a ``max_hold_s`` turn).
         Not with a relay: the other process's write then comes through this one."""
-        if self._relay is not None and self._relay.ready:
+        if self._relay_up():
             return
         self._release_when_idle = True
         self._pending.wake.set()

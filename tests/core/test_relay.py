@@ -199,8 +199,9 @@ async def test_a_process_without_the_relay_still_gets_its_turn(
     service_url: str, admin_url: str, topic: str
 ) -> None:
     # A holder with a relay gives turns only when asked (others' writes are relayed), but
-    # still one after 10 x max_hold_s, or a process without the relay, which can only poll
-    # for the writer, would never write while the holder keeps writing.
+    # still one unasked (after 10 x max_hold_s when no write is queued, 30 x if writes never
+    # stop), or a process without the relay, which can only poll for the writer, would
+    # never write while the holder keeps writing.
     async with (
         counter_manager(service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.2) as busy,
         counter_manager(service_url, topic, admin_url, relay_writes=False) as poller,
@@ -221,6 +222,73 @@ async def test_a_process_without_the_relay_still_gets_its_turn(
             await writing
         assert (await poller.read(lambda s: s["seen"], latest=True))["poller"] == 1
         assert busy.stats.writer_releases >= 1
+
+
+async def test_an_unasked_turn_is_given_with_no_write_queued(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The turn given unasked (for processes without the relay) was given while writes were
+    # queued, each then paused 50 ms and more: every 10 s, in a lock benchmark's p99. With
+    # nothing queued it costs a write at most taking the writer back.
+    async with counter_manager(
+        service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.05
+    ) as busy:
+        await until(lambda: relay_ready(busy), "the relay opens")
+        writer = busy._parts.writer
+        assert writer is not None
+        release = writer.release
+        queued_at_release: list[int] = []
+
+        async def noting() -> None:
+            if writer._producer is not None:
+                queued_at_release.append(len(writer._pending.queue))
+            await release()
+
+        writer.release = noting  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        written = 0
+        # Two turns: the third may be the busy one (30 x max_hold_s after the first taking).
+        while len(queued_at_release) < 2 and loop.time() < deadline:
+            await busy.write(lambda s: [incr()])
+            written += 1
+        assert queued_at_release == [0, 0]
+        assert (await busy.read(lambda s: s["count"], latest=True)) == written
+
+
+async def test_a_holder_idle_when_the_relay_opens_gives_its_unasked_turn_idle(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The writer taken before the relay opened waited idle by the rules of no relay (an
+    # hour here); told of the relay, it gives its unasked turn then, not at the next write.
+    from pulsar_state._relay import Relay
+
+    opening = Relay.open
+
+    async def late(self: Relay, *args: Any) -> None:
+        await asyncio.sleep(1.0)
+        await opening(self, *args)
+
+    monkeypatch.setattr(Relay, "open", late)
+    async with counter_manager(
+        service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.05
+    ) as holder:
+        await holder.write(lambda s: [incr()])  # takes the writer: no relay yet
+        writer = holder._parts.writer
+        assert writer is not None
+        release = writer.release
+        queued_at_release: list[int] = []
+
+        async def noting() -> None:
+            if writer._producer is not None:
+                queued_at_release.append(len(writer._pending.queue))
+            await release()
+
+        writer.release = noting  # type: ignore[method-assign]
+        await until(lambda: relay_ready(holder), "the relay opens")
+        await asyncio.sleep(1.0)  # held 2 s: past 30 x max_hold_s, the busy bound
+        await holder.write(lambda s: [incr()])
+        assert queued_at_release[:1] == [0]
 
 
 @pytest.mark.timeout(60)
