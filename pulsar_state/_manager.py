@@ -107,7 +107,10 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             raises :class:`ReplicaHaltedError` from then on; ``"skip"`` logs, counts and skips.
         check_topic: refuse partitioned topics and topics whose policies lose history.
         idle_release_s: release the exclusive writer after this long without writes.
-        max_hold_s: release the writer after holding it this long while others may wait.
+        max_hold_s: release the writer after holding it this long while others may wait
+            (with the relay: when another process asks; unasked, for processes without it,
+            after 10 x max_hold_s at a moment no write is queued, and after 20 x, at most
+            two thirds of ``acquire_timeout_s``, however busy).
         acquire_timeout_s: how long a write waits for the exclusive writer.
         takeover_after_s: after waiting this long, take the writer over with fencing
             (``ExclusiveWithFencing``). None (default) never fences another process.

@@ -1,8 +1,10 @@
 """The writer: takes the topic's exclusive producer, sends batches of records, reads them back.
 
 It holds the producer while writes keep coming and releases it when idle (``idle_release_s``)
-or after ``max_hold_s`` so that other processes get a turn. It never changes the state: it
-builds records against the replica's state and waits for the replica to settle them.
+or after ``max_hold_s`` so that other processes get a turn (with a relay: when one asks, and
+unasked for processes that can only poll; see ``_UNASKED_TURN_FACTOR``). It never changes
+the state: it builds records against the replica's state and waits for the replica to
+settle them.
 
 With a :class:`~._relay.Relay`, a process without the producer sends its records to the
 process that probably holds it (one whose record was read within ``idle_release_s``), and
@@ -69,12 +71,12 @@ _RELAY_PATIENCE_S = 0.05
 _RELAY_TRIES = 3
 # With a relay, the holder gives others a turn after max_hold_s only when one asks for it
 # (their writes are relayed meanwhile). Processes without the relay can only poll: for them
-# it gives one unasked after this many times max_hold_s, at a moment no write is queued (no
-# pause: a write of its own that comes next takes the writer back unless a poller has it),
-# and, if writes never leave it idle, after _UNASKED_BUSY_FACTOR times, with the pause. It
-# was given while busy at 10x: every 10 s, a holder's queued writes stalled 50 ms or more.
-_UNASKED_TURN_FACTOR = 10
-_UNASKED_BUSY_FACTOR = 30
+# it gives one unasked, with the pause, after this many times max_hold_s (at most two thirds
+# of acquire_timeout_s, so that a poller's wait for the writer outlasts it), and before, at
+# half that, one at a moment no write is queued (no pause: a write of its own that comes
+# next takes the writer back unless a poller has it). The first was given at 10x whenever a
+# write was queued: each such turn stalled the holder's queued writes 50 ms or more.
+_UNASKED_TURN_FACTOR = 20
 # How many ids of stale relayed records the holder remembers (see _append_foreign).
 _STALE_REMEMBERED = 1024
 # Records relayed by others, waiting for the holder to append them: more are dropped (their
@@ -153,8 +155,8 @@ class Writer:
         self._after_batch = after_batch
         self._producer: StateWriter | None = None
         self._producer_since = 0.0
-        # Held since (the busy bound of unasked turns): idle turns do not reset it, as the
-        # holder usually takes the writer straight back from them.
+        # Held since (the bound of unasked turns with the pause): an idle turn the holder
+        # took straight back, nobody else writing meanwhile, does not reset it.
         self._unpaused_since = 0.0
         self._idle_turn = False  # the last release was an unasked turn given while idle
         self._release_when_idle = False  # release_soon(): skip the idle wait once
@@ -218,7 +220,7 @@ class Writer:
             busy = bool(pending.queue or self._foreign or self._turn_requested)
             if self._producer is not None and busy and self._turn_due(held_for, loop.time()):
                 # Let writers in other processes have a turn; they poll for the writer.
-                logger.debug("giving the writer of %s up for a turn, writes queued", self._topic)
+                logger.debug("giving the writer of %s up for a turn, busy", self._topic)
                 await self.release()
                 await asyncio.sleep(_TURN_PAUSE_S)
                 continue
@@ -249,7 +251,7 @@ class Writer:
                     idle = min(idle, max(0.0, self._settings.max_hold_s - held_for))
                 elif self._relay_up():
                     # The turn given unasked (see _UNASKED_TURN_FACTOR), while nothing is queued.
-                    unasked = _UNASKED_TURN_FACTOR * self._settings.max_hold_s - held_for
+                    unasked = self._unasked_turn_after() / 2 - held_for
                     if unasked < idle:
                         idle, unasked_turn = max(0.0, unasked), True
                 if idle > 0 or not unasked_turn:
@@ -371,7 +373,13 @@ class Writer:
             pending.expire(loop.time())
             raise
         self._producer_since = loop.time()
-        if not self._idle_turn:
+        released_at = self._released_at
+        taken_back = (
+            self._idle_turn
+            and time.monotonic() - released_at < self._settings.max_hold_s
+            and self._replica.foreign_at <= released_at
+        )
+        if not taken_back:
             self._unpaused_since = self._producer_since
         self._idle_turn = False
         self._take_ahead = False
@@ -420,7 +428,11 @@ class Writer:
             return False
         if not self._relay_up() or self._turn_requested:
             return True
-        return now - self._unpaused_since > _UNASKED_BUSY_FACTOR * max_hold
+        return now - self._unpaused_since > self._unasked_turn_after()
+
+    def _unasked_turn_after(self) -> float:
+        settings = self._settings
+        return min(_UNASKED_TURN_FACTOR * settings.max_hold_s, settings.acquire_timeout_s * 2 / 3)
 
     def _relay_up(self) -> bool:
         return self._relay is not None and self._relay.ready
