@@ -156,7 +156,8 @@ class Writer:
         self._producer: StateWriter | None = None
         self._producer_since = 0.0
         # Held since (the bound of unasked turns with the pause): an idle turn the holder
-        # took straight back, nobody else writing meanwhile, does not reset it.
+        # took back within a turn's pause (pollers retry within 30 ms), nobody else writing
+        # meanwhile, does not reset it.
         self._unpaused_since = 0.0
         self._idle_turn = False  # the last release was an unasked turn given while idle
         self._release_when_idle = False  # release_soon(): skip the idle wait once
@@ -302,6 +303,7 @@ class Writer:
         pending, settings = self._pending, self._settings
         loop = asyncio.get_running_loop()
         started = loop.time()
+        asked_at = time.monotonic()  # a poller could have had the writer until about now
         if ahead:
             budget = min(settings.acquire_timeout_s, _AHEAD_BUDGET_S)
             takeover = None
@@ -376,7 +378,7 @@ class Writer:
         released_at = self._released_at
         taken_back = (
             self._idle_turn
-            and time.monotonic() - released_at < self._settings.max_hold_s
+            and asked_at - released_at < _TURN_PAUSE_S
             and self._replica.foreign_at <= released_at
         )
         if not taken_back:

@@ -282,7 +282,7 @@ async def test_an_idle_turn_not_taken_back_at_once_restarts_the_count_to_the_nex
         # Idle now: the next turn comes idle too, and nothing takes the writer back soon.
         await until(lambda: len(queued_at_release) == 2, "the second idle turn", seconds=5.0)
         assert queued_at_release == [0, 0]
-        await asyncio.sleep(0.2)  # past max_hold_s
+        await asyncio.sleep(0.2)  # the writer free longer than a turn's pause (50 ms)
         await holder.write(lambda s: [incr()])
         assert writer._unpaused_since == writer._producer_since
 
