@@ -255,7 +255,7 @@ class Writer:
                     unasked = self._unasked_turn_after() / 2 - held_for
                     if unasked < idle:
                         idle, unasked_turn = max(0.0, unasked), True
-                if idle > 0 or not unasked_turn:
+                if idle > 0:  # else (a turn due now) no wait: the queue is checked below
                     try:
                         # A timeout scope, not wait_for: no task per idle wait (one per write).
                         async with asyncio.timeout(idle):

@@ -77,6 +77,19 @@ def relay_ready(manager: SharedStateManager[Any, Any]) -> bool:
 
 
 @asynccontextmanager
+async def turning_holder(
+    service_url: str, admin_url: str, topic: str
+) -> AsyncIterator[tuple[Manager, list[int]]]:
+    """A manager that keeps the writer it takes but for turns (max_hold_s 50 ms), its relay
+    open, and the writes queued at each of its releases (see note_releases)."""
+    async with counter_manager(
+        service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.05
+    ) as holder:
+        await until(lambda: relay_ready(holder), "the relay opens")
+        yield holder, note_releases(holder)
+
+
+@asynccontextmanager
 async def holder_and_sender(
     service_url: str,
     admin_url: str,
@@ -246,11 +259,7 @@ async def test_an_unasked_turn_is_given_with_no_write_queued(
     # The turn given unasked (for processes without the relay) was given while writes were
     # queued, each then paused 50 ms and more: every 10 s, in a lock benchmark's p99. With
     # nothing queued it costs a write at most taking the writer back.
-    async with counter_manager(
-        service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.05
-    ) as busy:
-        await until(lambda: relay_ready(busy), "the relay opens")
-        queued_at_release = note_releases(busy)
+    async with turning_holder(service_url, admin_url, topic) as (busy, queued_at_release):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20
         written = 0
@@ -268,13 +277,9 @@ async def test_an_idle_turn_not_taken_back_at_once_restarts_the_count_to_the_nex
     # An idle turn the holder takes straight back leaves the count to the turn with the
     # pause running; one followed by a long idle spell (pollers had their chance) restarts
     # it, or the next holding paused for a turn as soon as a write was queued.
-    async with counter_manager(
-        service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.05
-    ) as holder:
-        await until(lambda: relay_ready(holder), "the relay opens")
+    async with turning_holder(service_url, admin_url, topic) as (holder, queued_at_release):
         writer = holder._parts.writer
         assert writer is not None
-        queued_at_release = note_releases(holder)
         while not queued_at_release:
             await holder.write(lambda s: [incr()])
         await holder.write(lambda s: [incr()])  # taken straight back
