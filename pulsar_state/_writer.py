@@ -217,9 +217,10 @@ class Writer:
             if self._foreign and self._producer is None:
                 self._foreign.clear()  # released since they came: their senders retry
             pending.drop_finished_head()  # (writes the watchdog failed are no reason to turn)
-            held_for = loop.time() - self._producer_since
+            now = loop.time()
+            held_for = now - self._producer_since
             busy = bool(pending.queue or self._foreign or self._turn_requested)
-            if self._producer is not None and busy and self._turn_due(held_for, loop.time()):
+            if self._producer is not None and busy and self._turn_due(now):
                 # Let writers in other processes have a turn; they poll for the writer.
                 logger.debug("giving the writer of %s up for a turn, busy", self._topic)
                 await self.release()
@@ -424,9 +425,9 @@ class Writer:
         self._foreign.append(payload)
         self._pending.wake.set()
 
-    def _turn_due(self, held_for: float, now: float) -> bool:
+    def _turn_due(self, now: float) -> bool:
         max_hold = self._settings.max_hold_s
-        if held_for <= max_hold:
+        if now - self._producer_since <= max_hold:
             return False
         if not self._relay_up() or self._turn_requested:
             return True
