@@ -23,13 +23,25 @@ from ._context import Context
 from ._errors import ClosedError, PulsarStateError
 from ._pulsar import PulsarConnection, RelayChannel
 
-__all__ = ["TURN_REQUEST", "Relay", "relay_topic"]
+__all__ = ["TURN_REQUEST", "Relay", "is_release_notice", "release_notice", "relay_topic"]
 
 logger = logging.getLogger(__name__)
 
 # Not a record (records start with the envelope's magic): a process whose relayed writes
 # keep losing to the holder's asks it to give the writer up for a turn after max_hold_s.
 TURN_REQUEST = b"\x00pulsar-state:turn"
+# Not a record either: a holder that gave the writer up says so (with its writer id), so that
+# others stop relaying to it (a record relayed to nobody waits 50 ms before the writer is
+# taken) and take the writer at their next write.
+_RELEASED = b"\x00pulsar-state:released:"
+
+
+def release_notice(writer_id: str) -> bytes:
+    return _RELEASED + writer_id.encode()
+
+
+def is_release_notice(payload: bytes) -> bool:
+    return payload.startswith(_RELEASED)
 
 
 def relay_topic(context: Context) -> str:
@@ -73,7 +85,7 @@ class Relay:
         if channel is None:
             raise ClosedError(f"the relay {self.topic} is closed")
         await channel.send(payload)
-        if payload != TURN_REQUEST:
+        if payload != TURN_REQUEST and not is_release_notice(payload):
             self._context.stats.records_relayed += 1
 
     async def close(self) -> None:

@@ -46,7 +46,7 @@ from ._errors import (
 from ._pending import PendingWrite, PendingWrites
 from ._pulsar import LogPosition, PulsarConnection, StateWriter
 from ._records import OutgoingRecord, RecordBuilder
-from ._relay import TURN_REQUEST, Relay
+from ._relay import TURN_REQUEST, Relay, is_release_notice, release_notice
 from ._retry import backoff, is_transient, retry_transient
 from ._tail import Tail
 
@@ -67,6 +67,15 @@ _AHEAD_BUDGET_S = 1.0
 # A relayed record is settled in milliseconds when a process holds the writer; one not seen
 # after this long probably reached nobody, so the writer is taken instead.
 _RELAY_PATIENCE_S = 0.05
+# A holder releases the writer idle_release_s after its latest append (its own record or a
+# relayed one), which others read a few milliseconds after it was made: until this share of
+# idle_release_s has passed since they read it, the holder is taken to hold the writer still.
+# (At one half, a lock released 50 ms after its waiter's request was read first tried to take
+# the writer, a 1-4 ms refusal, and only then relayed the release.)
+_HOLDER_LIKELY_SHARE = 0.8
+# After a holder's notice that it gave the writer up, records relayed to it are waited for
+# this much longer (it may have appended them just before), not the whole patience.
+_RELEASED_GRACE_S = 0.005
 # A write whose relayed records were ignored (stale) this many times takes the writer.
 _RELAY_TRIES = 3
 # With a relay, the holder gives others a turn after max_hold_s only when one asks for it
@@ -176,6 +185,10 @@ class Writer:
         self._turn_asked_at = float("-inf")  # when this process last asked for a turn
         self._turn_task: asyncio.Task[None] | None = None
         self._released_at = float("-inf")  # when this process last gave the writer up
+        # When another process last said it gave the writer up (its notice on the relay).
+        self._holder_released_at = float("-inf")
+        self._release_notice = release_notice(context.writer_id)
+        self._notice_task: asyncio.Task[None] | None = None
         self._relay_next = False  # creating the producer found it held: relay next
         # Records read before the writer started (the opening replay) say nothing of who
         # holds the writer now.
@@ -414,6 +427,11 @@ class Writer:
     def accept_foreign(self, payload: bytes) -> None:
         """A record another process relayed: appended next if this process holds the writer
         (dropped otherwise: its sender takes the writer when it is not seen)."""
+        if is_release_notice(payload):
+            if payload != self._release_notice:
+                self._holder_released_at = time.monotonic()
+                self._pending.settled.set()  # a relay of ours waiting on it may give up now
+            return
         if self._producer is None:
             return
         if payload == TURN_REQUEST:
@@ -466,7 +484,8 @@ class Writer:
 
     def _holder_likely(self) -> bool:
         """Whether another process probably holds the writer and the relay reaches it: its
-        record, or a relayed one of ours, was read within half ``idle_release_s``."""
+        record, or a relayed one of ours, was read within most of ``idle_release_s`` (taken to
+        be the holder's too), and no holder said it let go since."""
         if not self._relay_open():
             return False
         now = time.monotonic()
@@ -474,8 +493,10 @@ class Writer:
         # or before it took the writer: they say nothing of a holder now.
         foreign = self._replica.foreign_at
         seen = max(foreign if foreign > self._released_at else float("-inf"), self._relay_landed_at)
-        # Half: the holder's idle countdown started before we read its record.
-        return seen > self._started_at and now - seen < self._settings.idle_release_s / 2
+        # Not all of idle_release_s: the holder's countdown started before we read its record.
+        likely_for = self._settings.idle_release_s * _HOLDER_LIKELY_SHARE
+        since = max(self._started_at, self._holder_released_at)  # a holder said it let go
+        return seen > since and now - seen < likely_for
 
     def _may_relay(self) -> bool:
         """Whether the queued writes may be relayed (the relay is up, no relayed record is
@@ -513,27 +534,41 @@ class Writer:
             self._relayed = records  # may have gone out: settled as after a failed send
             self._relay_quiet_until = time.monotonic() + self._settings.idle_release_s
             return
+        relayed_at = time.monotonic()
         if await self._settled(records, _RELAY_PATIENCE_S):
             self._relay_landed_at = time.monotonic()
             return
         unseen = [o for o in records if pending.in_flight(o.record.record_id)]
+        self._relayed = records  # the whole chain (a stale link kills the rest): pruned later
+        if self._holder_released_at > relayed_at:
+            # The relay works; the holder let go: take the writer (no quiet time).
+            logger.debug(
+                "%d record(s) relayed to %s not seen; its holder let go: taking the writer",
+                len(unseen),
+                relay.topic,
+            )
+            return
         logger.debug(
             "%d record(s) relayed to %s not seen in %.0f ms; taking the writer",
             len(unseen),
             relay.topic,
             _RELAY_PATIENCE_S * 1000,
         )
-        self._relayed = records  # the whole chain (a stale link kills the rest): pruned later
         self._relay_quiet_until = time.monotonic() + self._settings.idle_release_s
 
     async def _settled(self, records: list[OutgoingRecord[PendingWrite]], within: float) -> bool:
-        """Wait until the replica settled every one of ``records`` (True), or ``within``."""
+        """Wait until the replica settled every one of ``records`` (True), or ``within``; or
+        until shortly after a holder says it gave the writer up (it may have appended them
+        first: their records are then read within milliseconds)."""
         pending, replica = self._pending, self._replica
-        deadline = time.monotonic() + within
+        started = time.monotonic()
+        deadline = started + within
         while True:
             self._drop_dead_chain(records)
             if not any(pending.in_flight(o.record.record_id) for o in records):
                 break
+            if self._holder_released_at > started:
+                deadline = min(deadline, self._holder_released_at + _RELEASED_GRACE_S)
             left = deadline - time.monotonic()
             if left <= 0 or replica.halt is not None or self._context.closed:
                 return False
@@ -683,8 +718,9 @@ class Writer:
 
     def cancel_background(self) -> None:
         """Stop what the writer left running beside its loop (a turn request), at close."""
-        if self._turn_task is not None:
-            self._turn_task.cancel()
+        for task in (self._turn_task, self._notice_task):
+            if task is not None:
+                task.cancel()
 
     def release_soon(self) -> None:
         """Release the writer as soon as no write is queued, without the idle wait (also
@@ -703,6 +739,27 @@ class Writer:
             self._stats.writer_releases += 1
             await producer.close()
             logger.debug("released the writer of %s", self._topic)
+            self._tell_released()
+
+    def _tell_released(self) -> None:
+        """Say on the relay (in the background) that this process gave the writer up: others
+        then take it at their next write instead of relaying to nobody. Not at close (the
+        relay closes next; others fall back to their patience)."""
+        relay = self._relay
+        if relay is None or not relay.ready or self._context.closed:
+            return
+        if self._notice_task is not None:
+            return
+
+        async def tell() -> None:
+            try:
+                await relay.send(self._release_notice)
+            except Exception as exc:  # a hint; the relay may be closed
+                logger.debug("telling %s the writer was released: %s", relay.topic, exc)
+            finally:
+                self._notice_task = None
+
+        self._notice_task = asyncio.get_running_loop().create_task(tell())
 
     async def _build_batch(self) -> list[OutgoingRecord[PendingWrite]]:
         """The records of the next batch of queued writes (built on the replica's state);

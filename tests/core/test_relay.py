@@ -513,3 +513,71 @@ async def test_records_a_process_appended_for_others_say_nothing_of_a_holder_onc
         assert result.value == 3
         assert holder.stats.records_relayed == 0
         assert holder.stats.writer_acquisitions == acquired + 1
+
+
+async def test_a_holder_read_writing_more_than_half_its_idle_time_ago_is_relayed_to(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The holder keeps the writer idle_release_s (1 s, the same for both) after its latest
+    # append, and others read that record within milliseconds: 0.6 s later it still holds
+    # it. The write is relayed at once; it once tried to take the writer first (a refusal:
+    # 1-4 ms on a lock's handover) whenever over half idle_release_s had passed.
+    hold = {"idle_release_s": 1.0, "max_hold_s": 3600.0}
+    async with holder_and_sender(
+        service_url, admin_url, topic, holder=hold, sender={"idle_release_s": 1.0}
+    ) as (holder, other):
+        await holder.write(tagged("holder"))
+        await other.read(lambda state: state, latest=True)
+        attempts = count_acquisitions(other)
+        await asyncio.sleep(0.6)
+        await other.write(tagged("other"))
+        assert attempts[0] == 0
+        assert other.stats.records_relayed == 1
+        assert holder.stats.writer_releases == 0
+        assert (await holder.read(lambda s: s["seen"], latest=True)) == {"holder": 2, "other": 1}
+
+
+async def test_a_holder_that_lets_go_says_so_and_the_next_write_takes_the_writer(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Without the holder's notice, the other process (which read the holder's record just
+    # now) relays its write to nobody and takes the writer only after the relay's patience.
+    async with holder_and_sender(service_url, admin_url, topic) as (holder, other):
+        holder_writer, writer = holder._parts.writer, other._parts.writer
+        assert holder_writer is not None
+        assert writer is not None
+        await holder_writer.release()
+        await until(lambda: writer._holder_released_at > 0, "the holder's notice")
+        await other.write(tagged("other"))
+        assert other.stats.records_relayed == 0
+        assert other.stats.writer_acquisitions == 1
+        assert (await holder.read(lambda s: s["seen"], latest=True)) == {"holder": 1, "other": 1}
+
+
+class _Dropped(list[bytes]):
+    """A holder's queue of relayed records that keeps none (as if each came too late)."""
+
+    def append(self, payload: bytes) -> None:
+        pass
+
+
+@pytest.mark.timeout(60)
+async def test_a_relayed_record_stops_waiting_when_its_holder_says_it_let_go(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The holder drops the relayed record, then gives the writer up and says so: the sender
+    # stops waiting (the patience is 30 s here) and takes the writer, with no quiet time on
+    # the relay (it works: there was just nobody to append).
+    monkeypatch.setattr("pulsar_state._writer._RELAY_PATIENCE_S", 30.0)
+    async with holder_and_sender(service_url, admin_url, topic) as (holder, other):
+        holder_writer, writer = holder._parts.writer, other._parts.writer
+        assert holder_writer is not None
+        assert writer is not None
+        holder_writer._foreign = _Dropped()  # type: ignore[assignment]
+        write = asyncio.ensure_future(other.write(tagged("other")))
+        await until(lambda: other.stats.records_relayed == 1, "the write relayed")
+        await holder_writer.release()
+        await asyncio.wait_for(write, 10)
+        assert other.stats.writer_acquisitions == 1
+        assert writer._relay_quiet_until == float("-inf")
+        assert (await holder.read(lambda s: s["seen"], latest=True)) == {"holder": 1, "other": 1}
