@@ -10,8 +10,12 @@ Nothing here is trusted for correctness: the record carries the version and reco
 built on, and every replica accepts it only if they are still the log's latest, as for any
 record. A relayed record that nobody appends (no holder after all, or it was dropped on the
 way) is never seen; the sender then takes the writer itself, catches up and retries the
-writes it did not see, as after a failed send. A relay that cannot be opened (non-persistent
-topics disabled, no permission) is logged once and left unused: writes take the writer.
+writes it did not see, as after a failed send. A holder that gives the writer up says so on
+the relay (a notice, not a record): others then take the writer at their next write, and a
+record relayed to it is given up 5 ms later instead of 50. The notice names no holder, so a
+late one from an earlier holder only costs the next write a refused attempt at the writer.
+A relay that cannot be opened (non-persistent topics disabled, no permission) is logged once
+and left unused: writes take the writer.
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ the state: it builds records against the replica's state and waits for the repli
 settle them.
 
 With a :class:`~._relay.Relay`, a process without the producer sends its records to the
-process that probably holds it (one whose record was read within ``idle_release_s``), and
-the holder appends the records it receives, first, as they are. Records relayed that are not
-seen within ``_RELAY_PATIENCE_S`` are handled as after a failed send: the writer is taken,
-the log caught up with, and the writes not seen are retried.
+process that probably holds it (one whose record was read within most of
+``idle_release_s``, see ``_HOLDER_LIKELY_SHARE``), and the holder appends the records it
+receives, first, as they are. A holder that gives the writer up says so on the relay. Records
+relayed that are not seen within ``_RELAY_PATIENCE_S`` (or shortly after such a notice) are
+handled as after a failed send: the writer is taken, the log caught up with, and the writes
+not seen are retried.
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ class Writer:
         self._holder_released_at = float("-inf")
         self._release_notice = release_notice(context.writer_id)
         self._notice_task: asyncio.Task[None] | None = None
+        self._notice_again = False
         self._relay_next = False  # creating the producer found it held: relay next
         # Records read before the writer started (the opening replay) say nothing of who
         # holds the writer now.
@@ -519,6 +522,7 @@ class Writer:
     async def _relay_batch(self) -> None:
         relay, pending = self._relay, self._pending
         assert relay is not None
+        relayed_at = time.monotonic()  # a holder's notice from now on may concern these
         records = await self._build_batch()
         if not records:
             return
@@ -534,9 +538,10 @@ class Writer:
             self._relayed = records  # may have gone out: settled as after a failed send
             self._relay_quiet_until = time.monotonic() + self._settings.idle_release_s
             return
-        relayed_at = time.monotonic()
-        if await self._settled(records, _RELAY_PATIENCE_S):
-            self._relay_landed_at = time.monotonic()
+        if await self._settled(records, _RELAY_PATIENCE_S, since=relayed_at):
+            if self._holder_released_at <= relayed_at:
+                # (Landed just before its holder let go: no sign of a holder now.)
+                self._relay_landed_at = time.monotonic()
             return
         unseen = [o for o in records if pending.in_flight(o.record.record_id)]
         self._relayed = records  # the whole chain (a stale link kills the rest): pruned later
@@ -556,13 +561,20 @@ class Writer:
         )
         self._relay_quiet_until = time.monotonic() + self._settings.idle_release_s
 
-    async def _settled(self, records: list[OutgoingRecord[PendingWrite]], within: float) -> bool:
+    async def _settled(
+        self,
+        records: list[OutgoingRecord[PendingWrite]],
+        within: float,
+        *,
+        since: float | None = None,
+    ) -> bool:
         """Wait until the replica settled every one of ``records`` (True), or ``within``; or
         until shortly after a holder says it gave the writer up (it may have appended them
         first: their records are then read within milliseconds)."""
         pending, replica = self._pending, self._replica
-        started = time.monotonic()
-        deadline = started + within
+        now = time.monotonic()
+        deadline = now + within
+        started = now if since is None else since
         while True:
             self._drop_dead_chain(records)
             if not any(pending.in_flight(o.record.record_id) for o in records):
@@ -717,7 +729,8 @@ class Writer:
         self._pending.wake.set()
 
     def cancel_background(self) -> None:
-        """Stop what the writer left running beside its loop (a turn request), at close."""
+        """Stop what the writer left running beside its loop (a turn request, a release
+        notice), at close."""
         for task in (self._turn_task, self._notice_task):
             if task is not None:
                 task.cancel()
@@ -749,11 +762,15 @@ class Writer:
         if relay is None or not relay.ready or self._context.closed:
             return
         if self._notice_task is not None:
+            self._notice_again = True  # released again while the last notice is on its way
             return
 
         async def tell() -> None:
             try:
-                await relay.send(self._release_notice)
+                self._notice_again = True
+                while self._notice_again:
+                    self._notice_again = False
+                    await relay.send(self._release_notice)
             except Exception as exc:  # a hint; the relay may be closed
                 logger.debug("telling %s the writer was released: %s", relay.topic, exc)
             finally:

@@ -14,7 +14,7 @@ import pytest
 
 from pulsar_state import SharedStateManager, WriteOutcomeUnknownError
 from pulsar_state._envelope import Record, Write, encode_record
-from pulsar_state._relay import TURN_REQUEST
+from pulsar_state._relay import TURN_REQUEST, is_release_notice, release_notice
 from tests.core.helpers import Counter, counter_manager, incr
 from tests.support.waiting import until
 
@@ -540,9 +540,12 @@ async def test_a_holder_read_writing_more_than_half_its_idle_time_ago_is_relayed
 async def test_a_holder_that_lets_go_says_so_and_the_next_write_takes_the_writer(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    # Without the holder's notice, the other process (which read the holder's record just
-    # now) relays its write to nobody and takes the writer only after the relay's patience.
-    async with holder_and_sender(service_url, admin_url, topic) as (holder, other):
+    # Without the holder's notice, the other process (which read the holder's record within
+    # 80% of its idle_release_s, 10 s) relays its write to nobody and takes the writer only
+    # after the relay's patience.
+    async with holder_and_sender(
+        service_url, admin_url, topic, sender={"idle_release_s": 10.0}
+    ) as (holder, other):
         holder_writer, writer = holder._parts.writer, other._parts.writer
         assert holder_writer is not None
         assert writer is not None
@@ -581,3 +584,52 @@ async def test_a_relayed_record_stops_waiting_when_its_holder_says_it_let_go(
         assert other.stats.writer_acquisitions == 1
         assert writer._relay_quiet_until == float("-inf")
         assert (await holder.read(lambda s: s["seen"], latest=True)) == {"holder": 1, "other": 1}
+
+
+async def test_a_holder_that_lets_go_again_while_its_notice_is_on_its_way_says_so_again(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The first notice is slow to go out; the holder takes the writer back and lets it go
+    # again meanwhile: that second release is said too (others read the holder's new
+    # records after the first notice, and would take it to hold the writer still).
+    async with holder_and_sender(service_url, admin_url, topic) as (holder, _):
+        relay, writer = holder._parts.relay, holder._parts.writer
+        assert relay is not None
+        assert writer is not None
+        notices: list[bytes] = []
+        send = relay.send
+
+        async def slowly(payload: bytes) -> None:
+            if is_release_notice(payload):
+                notices.append(payload)
+                await asyncio.sleep(0.3)
+            await send(payload)
+
+        relay.send = slowly  # type: ignore[method-assign]
+        await writer.release()
+        await holder.write(tagged("holder"))  # takes the writer back
+        await writer.release()
+        await until(lambda: len(notices) == 2, "a notice for each release")
+
+
+async def test_a_relayed_record_seen_after_a_notice_is_no_sign_of_a_holder(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A notice comes while the relayed record is on its way, and the record is seen within
+    # the grace that follows: it landed, but its holder has let go since, so the next write
+    # must not be relayed to it on the strength of that landing.
+    monkeypatch.setattr("pulsar_state._writer._RELEASED_GRACE_S", 10.0)
+    async with holder_and_sender(service_url, admin_url, topic) as (_, other):
+        relay, writer = other._parts.relay, other._parts.writer
+        assert relay is not None
+        assert writer is not None
+        send = relay.send
+
+        async def then_a_notice(payload: bytes) -> None:
+            await send(payload)
+            writer.accept_foreign(release_notice("an-earlier-holder"))
+
+        relay.send = then_a_notice  # type: ignore[method-assign]
+        await other.write(tagged("other"))
+        assert other.stats.records_relayed == 1
+        assert writer._relay_landed_at == float("-inf")
