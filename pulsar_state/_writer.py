@@ -562,24 +562,18 @@ class Writer:
         self._relay_quiet_until = time.monotonic() + self._settings.idle_release_s
 
     async def _settled(
-        self,
-        records: list[OutgoingRecord[PendingWrite]],
-        within: float,
-        *,
-        since: float | None = None,
+        self, records: list[OutgoingRecord[PendingWrite]], within: float, *, since: float
     ) -> bool:
         """Wait until the replica settled every one of ``records`` (True), or ``within``; or
-        until shortly after a holder says it gave the writer up (it may have appended them
-        first: their records are then read within milliseconds)."""
+        until shortly after a holder says it gave the writer up after ``since`` (it may have
+        appended them first: their records are then read within milliseconds)."""
         pending, replica = self._pending, self._replica
-        now = time.monotonic()
-        deadline = now + within
-        started = now if since is None else since
+        deadline = time.monotonic() + within
         while True:
             self._drop_dead_chain(records)
             if not any(pending.in_flight(o.record.record_id) for o in records):
                 break
-            if self._holder_released_at > started:
+            if self._holder_released_at > since:
                 deadline = min(deadline, self._holder_released_at + _RELEASED_GRACE_S)
             left = deadline - time.monotonic()
             if left <= 0 or replica.halt is not None or self._context.closed:

@@ -14,7 +14,8 @@ import pytest
 
 from pulsar_state import SharedStateManager, WriteOutcomeUnknownError
 from pulsar_state._envelope import Record, Write, encode_record
-from pulsar_state._relay import TURN_REQUEST, is_release_notice, release_notice
+from pulsar_state._relay import TURN_REQUEST, Relay, is_release_notice, release_notice
+from pulsar_state._writer import Writer
 from tests.core.helpers import Counter, counter_manager, incr
 from tests.support.waiting import until
 
@@ -27,10 +28,21 @@ def tagged(tag: str) -> Callable[[Counter], list[dict[str, Any]]]:
     return lambda state: [incr(tag)]
 
 
-def count_acquisitions(manager: SharedStateManager[Any, Any]) -> list[int]:
-    """A one-item list counting the manager's writer acquisition attempts from now on."""
+def writer_of(manager: SharedStateManager[Any, Any]) -> Writer:
     writer = manager._parts.writer
     assert writer is not None
+    return writer
+
+
+def relay_of(manager: SharedStateManager[Any, Any]) -> Relay:
+    relay = manager._parts.relay
+    assert relay is not None
+    return relay
+
+
+def count_acquisitions(manager: SharedStateManager[Any, Any]) -> list[int]:
+    """A one-item list counting the manager's writer acquisition attempts from now on."""
+    writer = writer_of(manager)
     acquire = writer._acquire
     attempts = [0]
 
@@ -44,8 +56,7 @@ def count_acquisitions(manager: SharedStateManager[Any, Any]) -> list[int]:
 
 def slow_appends(manager: SharedStateManager[Any, Any], delay: float) -> None:
     """The manager appends relayed records only ``delay`` after they came."""
-    writer = manager._parts.writer
-    assert writer is not None
+    writer = writer_of(manager)
     append = writer._append_foreign
 
     async def slowly() -> None:
@@ -57,8 +68,7 @@ def slow_appends(manager: SharedStateManager[Any, Any], delay: float) -> None:
 
 def note_releases(manager: SharedStateManager[Any, Any]) -> list[int]:
     """How many writes were queued at each release of the writer the manager holds."""
-    writer = manager._parts.writer
-    assert writer is not None
+    writer = writer_of(manager)
     release = writer.release
     queued_at_release: list[int] = []
 
@@ -191,8 +201,7 @@ async def test_a_holder_drops_what_it_cannot_append_and_goes_on(
     # dropped with a warning; a turn request from a stranger only asks for a turn.
     caplog.set_level(logging.WARNING, logger="pulsar_state")
     async with holder_and_sender(service_url, admin_url, topic) as (holder, other):
-        relay = holder._parts.relay
-        assert relay is not None
+        relay = relay_of(holder)
         forked = Record("stranger", 1, 7, "stranger/0", [Write(1, [b'{"op": "incr"}'])])
         # Based on the log's latest, but with an op the codec cannot decode.
         undecodable = Record(
@@ -278,8 +287,7 @@ async def test_an_idle_turn_not_taken_back_at_once_restarts_the_count_to_the_nex
     # pause running; one followed by a long idle spell (pollers had their chance) restarts
     # it, or the next holding paused for a turn as soon as a write was queued.
     async with turning_holder(service_url, admin_url, topic) as (holder, queued_at_release):
-        writer = holder._parts.writer
-        assert writer is not None
+        writer = writer_of(holder)
         while not queued_at_release:
             await holder.write(lambda s: [incr()])
         await holder.write(lambda s: [incr()])  # taken straight back
@@ -310,8 +318,7 @@ async def test_a_holder_idle_when_the_relay_opens_gives_its_unasked_turn_idle(
         service_url, topic, admin_url, idle_release_s=3600, max_hold_s=0.05
     ) as holder:
         await holder.write(lambda s: [incr()])  # takes the writer: no relay yet
-        writer = holder._parts.writer
-        assert writer is not None
+        writer = writer_of(holder)
         queued_at_release = note_releases(holder)
         await until(lambda: relay_ready(holder), "the relay opens")
         # Held 1 s by now, past 10 x max_hold_s: the turn comes with no write to wait for.
@@ -444,8 +451,7 @@ async def test_an_idle_holder_gives_a_turn_when_asked(
         holder={"idle_release_s": 3600, "max_hold_s": 0.3},
         sender={"acquire_timeout_s": 10.0},
     ) as (holder, other):
-        writer = holder._parts.writer
-        assert writer is not None
+        writer = writer_of(holder)
 
         async def lose() -> None:
             writer._foreign.clear()
@@ -505,8 +511,7 @@ async def test_records_a_process_appended_for_others_say_nothing_of_a_holder_onc
     async with holder_and_sender(service_url, admin_url, topic) as (holder, other):
         await other.write(tagged("other"))
         await until(lambda: holder.stats.relayed_appended == 1, "appended by the holder")
-        writer = holder._parts.writer
-        assert writer is not None
+        writer = writer_of(holder)
         await writer.release()
         acquired = holder.stats.writer_acquisitions
         result = await holder.write(tagged("again"), reader=lambda s: s["count"])
@@ -546,9 +551,7 @@ async def test_a_holder_that_lets_go_says_so_and_the_next_write_takes_the_writer
     async with holder_and_sender(
         service_url, admin_url, topic, sender={"idle_release_s": 10.0}
     ) as (holder, other):
-        holder_writer, writer = holder._parts.writer, other._parts.writer
-        assert holder_writer is not None
-        assert writer is not None
+        holder_writer, writer = writer_of(holder), writer_of(other)
         await holder_writer.release()
         await until(lambda: writer._holder_released_at > 0, "the holder's notice")
         await other.write(tagged("other"))
@@ -573,9 +576,7 @@ async def test_a_relayed_record_stops_waiting_when_its_holder_says_it_let_go(
     # the relay (it works: there was just nobody to append).
     monkeypatch.setattr("pulsar_state._writer._RELAY_PATIENCE_S", 30.0)
     async with holder_and_sender(service_url, admin_url, topic) as (holder, other):
-        holder_writer, writer = holder._parts.writer, other._parts.writer
-        assert holder_writer is not None
-        assert writer is not None
+        holder_writer, writer = writer_of(holder), writer_of(other)
         holder_writer._foreign = _Dropped()  # type: ignore[assignment]
         write = asyncio.ensure_future(other.write(tagged("other")))
         await until(lambda: other.stats.records_relayed == 1, "the write relayed")
@@ -593,9 +594,7 @@ async def test_a_holder_that_lets_go_again_while_its_notice_is_on_its_way_says_s
     # again meanwhile: that second release is said too (others read the holder's new
     # records after the first notice, and would take it to hold the writer still).
     async with holder_and_sender(service_url, admin_url, topic) as (holder, _):
-        relay, writer = holder._parts.relay, holder._parts.writer
-        assert relay is not None
-        assert writer is not None
+        relay, writer = relay_of(holder), writer_of(holder)
         notices: list[bytes] = []
         send = relay.send
 
@@ -620,9 +619,7 @@ async def test_a_relayed_record_seen_after_a_notice_is_no_sign_of_a_holder(
     # must not be relayed to it on the strength of that landing.
     monkeypatch.setattr("pulsar_state._writer._RELEASED_GRACE_S", 10.0)
     async with holder_and_sender(service_url, admin_url, topic) as (_, other):
-        relay, writer = other._parts.relay, other._parts.writer
-        assert relay is not None
-        assert writer is not None
+        relay, writer = relay_of(other), writer_of(other)
         send = relay.send
 
         async def then_a_notice(payload: bytes) -> None:
