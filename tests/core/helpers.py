@@ -39,6 +39,12 @@ def incr(op_id: str | None = None, by: int = 1) -> dict[str, Any]:
     return {"op": "incr", "id": op_id, "by": by}
 
 
+async def seen_by(manager: SharedStateManager[Counter, dict[str, Any]]) -> dict[str, int]:
+    """How many times each op id was applied, as of the log's latest record."""
+    seen: dict[str, int] = await manager.read(lambda s: s["seen"], latest=True)
+    return seen
+
+
 def counter_manager(
     service_url: str, topic: str, admin_url: str, **options: Any
 ) -> SharedStateManager[Counter, dict[str, Any]]:

@@ -20,7 +20,7 @@ from pulsar_state import (
 )
 from pulsar_state._envelope import Record, Write, encode_record
 from pulsar_state._records import OutgoingRecord
-from tests.core.helpers import counter_manager, incr, raw_producer, topic_message_count
+from tests.core.helpers import counter_manager, incr, raw_producer, seen_by, topic_message_count
 
 POISON = {"op": "set", "key": "poison", "value": 1}
 
@@ -142,7 +142,7 @@ async def test_skip_never_skips_an_accepted_record_so_no_write_is_lost(
         if acknowledged is not None:
             # The guarantee itself: an acknowledged write is applied by a fresh replica.
             async with counter_manager(service_url, topic, admin_url) as fresh:
-                seen = await fresh.read(lambda s: s["seen"], latest=True)
+                seen = await seen_by(fresh)
             assert "b" in seen, "an acknowledged write that a fresh replica never applies"
         assert isinstance(skipper.halted, CorruptRecordError)
         assert skipper.position == 1

@@ -16,7 +16,7 @@ from pulsar_state import SharedStateManager, WriteOutcomeUnknownError
 from pulsar_state._envelope import Record, Write, encode_record
 from pulsar_state._relay import TURN_REQUEST, Relay, is_release_notice, release_notice
 from pulsar_state._writer import Writer
-from tests.core.helpers import Counter, counter_manager, incr
+from tests.core.helpers import Counter, counter_manager, incr, seen_by
 from tests.support.waiting import until
 
 Manager = SharedStateManager[Counter, dict[str, Any]]
@@ -258,7 +258,7 @@ async def test_a_process_without_the_relay_still_gets_its_turn(
         finally:
             stop.set()
             await writing
-        assert (await poller.read(lambda s: s["seen"], latest=True))["poller"] == 1
+        assert (await seen_by(poller))["poller"] == 1
         assert busy.stats.writer_releases >= 1
 
 
@@ -345,7 +345,7 @@ async def test_a_relayed_record_appended_late_ends_the_wait_for_the_writer(
         settled = attempts[0]
         await asyncio.sleep(0.3)  # the loop runs, and the writer has stopped asking
         assert attempts[0] == settled
-        assert (await other.read(lambda s: s["seen"], latest=True)) == {"holder": 1, "other": 1}
+        assert (await seen_by(other)) == {"holder": 1, "other": 1}
 
 
 async def test_a_sender_batch_of_several_records_is_appended_whole(
@@ -393,7 +393,7 @@ async def test_a_holder_with_only_relayed_records_still_gives_turns(
         finally:
             stop.set()
             await writing
-        assert (await poller.read(lambda s: s["seen"], latest=True))["poller"] == 1
+        assert (await seen_by(poller))["poller"] == 1
 
 
 async def test_a_write_whose_relayed_attempt_may_land_is_not_reported_unchanged(
@@ -461,7 +461,7 @@ async def test_an_idle_holder_gives_a_turn_when_asked(
         assert other.stats.records_relayed == 1
         assert other.stats.writer_acquisitions == 1
         assert holder.stats.writer_releases == 1
-        assert (await other.read(lambda s: s["seen"], latest=True)) == {"holder": 1, "other": 1}
+        assert (await seen_by(other)) == {"holder": 1, "other": 1}
 
 
 async def test_a_relayed_chain_built_on_a_stale_state_is_retried_at_once(
@@ -539,7 +539,7 @@ async def test_a_holder_read_writing_more_than_half_its_idle_time_ago_is_relayed
         assert attempts[0] == 0
         assert other.stats.records_relayed == 1
         assert holder.stats.writer_releases == 0
-        assert (await holder.read(lambda s: s["seen"], latest=True)) == {"holder": 2, "other": 1}
+        assert (await seen_by(holder)) == {"holder": 2, "other": 1}
 
 
 async def test_a_holder_that_lets_go_says_so_and_the_next_write_takes_the_writer(
@@ -557,7 +557,7 @@ async def test_a_holder_that_lets_go_says_so_and_the_next_write_takes_the_writer
         await other.write(tagged("other"))
         assert other.stats.records_relayed == 0
         assert other.stats.writer_acquisitions == 1
-        assert (await holder.read(lambda s: s["seen"], latest=True)) == {"holder": 1, "other": 1}
+        assert (await seen_by(holder)) == {"holder": 1, "other": 1}
 
 
 class _Dropped(list[bytes]):
@@ -584,7 +584,7 @@ async def test_a_relayed_record_stops_waiting_when_its_holder_says_it_let_go(
         await asyncio.wait_for(write, 10)
         assert other.stats.writer_acquisitions == 1
         assert writer._relay_quiet_until == float("-inf")
-        assert (await holder.read(lambda s: s["seen"], latest=True)) == {"holder": 1, "other": 1}
+        assert (await seen_by(holder)) == {"holder": 1, "other": 1}
 
 
 async def test_a_holder_that_lets_go_again_while_its_notice_is_on_its_way_says_so_again(
