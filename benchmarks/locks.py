@@ -407,6 +407,95 @@ def two_sends_p50_ms(service_url: str, rounds: int) -> float:
         client.close()
 
 
+def _floor_reader(service_url: str, topic: str, rounds: int, conn: Connection) -> None:
+    """The receiving side of :func:`handover_floor_p50_ms`: when each message reaches this
+    process's event loop, on the system-wide monotonic clock."""
+    import pulsar
+    import pulsar.asyncio
+
+    async def read() -> list[float]:
+        client = pulsar.asyncio.Client(
+            service_url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn)
+        )
+        reader = await client.create_reader(topic, pulsar.MessageId.latest)
+        conn.send("ready")
+        arrived = []
+        for _ in range(rounds):
+            await reader.read_next()
+            arrived.append(now())
+        return arrived
+
+    arrived = asyncio.run(read())
+    conn.send(arrived)
+    os._exit(0)  # no client close at exit: see pulsar_state._pulsar (exit crashes)
+
+
+def handover_floor_p50_ms(service_url: str, rounds: int, queued: float) -> float:
+    """The floor under the library's handover: a raw pulsar-client producer sends one message
+    after ``queued`` seconds idle (as the holder's release comes after its waiting), and a raw
+    reader in another process has it in its event loop; the time between, p50. ZooKeeper's
+    whole handover is one write, one notification and one read, so this shows how much of
+    the gap between the two is Pulsar's own path (append, then dispatch to readers)."""
+    import pulsar
+
+    topic = f"persistent://public/default/lockbench-floor-{uuid.uuid4().hex[:8]}"
+    client = pulsar.Client(
+        service_url,
+        operation_timeout_seconds=60,
+        logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn),
+    )
+    context = multiprocessing.get_context("spawn")  # no fork of pulsar-client's threads
+    conn, child = context.Pipe()
+    reader = context.Process(
+        target=_floor_reader, args=(service_url, topic, rounds, child), daemon=True
+    )
+    try:
+        producer = client.create_producer(topic, batching_enabled=False)
+        reader.start()
+        if not conn.poll(_REPLY_TIMEOUT_S):
+            raise TimeoutError("the floor's reader did not start")
+        conn.recv()
+        sent = []
+        for _ in range(rounds):
+            time.sleep(queued)
+            sent.append(now())
+            producer.send(b"x" * 200)
+        if not conn.poll(_REPLY_TIMEOUT_S):
+            raise TimeoutError("the floor's reader did not get every message")
+        arrived: list[float] = conn.recv()
+        return percentile([a - s for s, a in zip(sent, arrived, strict=True)], 0.5) * 1000.0
+    finally:
+        reader.join(_REPLY_TIMEOUT_S)
+        if reader.is_alive():
+            reader.kill()
+        client.close()
+
+
+def python_after_idle_us(rounds: int, idle: float) -> tuple[float, float]:
+    """How long a fixed bit of Python (a lease op's JSON round trip and a CRC, as a replica
+    does per record) takes back to back and right after ``idle`` seconds of sleep, p50 in
+    microseconds. On a machine whose caches are cold after a short idle (a small VM shared
+    with others), the second is many times the first, and every process on a handover's path
+    (the holder, the broker, the waiter) pays it: it scales what the library's own Python
+    adds to the raw floor."""
+    import zlib
+
+    op = json.dumps({"op": "release", "id": uuid.uuid4().hex, "now": time.time()})
+
+    def work() -> float:
+        started = now()
+        data = json.dumps(json.loads(op), separators=(",", ":"), sort_keys=True).encode()
+        zlib.crc32(data)
+        return now() - started
+
+    hot = [work() for _ in range(rounds)]
+    cold = []
+    for _ in range(rounds):
+        time.sleep(idle)
+        cold.append(work())
+    return percentile(hot, 0.5) * 1e6, percentile(cold, 0.5) * 1e6
+
+
 # ---------------------------------------------------------------- peers (servers started here)
 
 
@@ -552,7 +641,9 @@ def run(
 ) -> tuple[list[SystemResult], dict[str, str]]:
     """Measure each system in turn; returns the results and the skipped peers' reasons.
 
-    With the library, ``floor["pulsar_two_sends_p50_ms"]`` gets :func:`two_sends_p50_ms`.
+    With the library, ``floor`` gets :func:`two_sends_p50_ms` (``pulsar_two_sends_p50_ms``),
+    :func:`handover_floor_p50_ms` (``pulsar_handover_p50_ms``) and
+    :func:`python_after_idle_us` (``python_op_us``, ``python_op_after_idle_us``).
 
     Each ``idle_release_s`` adds a run of the library with that manager setting (how long a
     process keeps the topic's writer after its last write), labelled with it;
@@ -587,6 +678,15 @@ def run(
                     floor["pulsar_two_sends_p50_ms"] = two_sends_p50_ms(
                         broker.service_url, uncontended
                     )
+                    say(
+                        f"... raw pulsar-client: a send after {QUEUED_S * 1000:g} ms idle, "
+                        "read by another process (the handover's floor)"
+                    )
+                    floor["pulsar_handover_p50_ms"] = handover_floor_p50_ms(
+                        broker.service_url, handovers, QUEUED_S
+                    )
+                    hot, after_idle = python_after_idle_us(handovers, QUEUED_S)
+                    floor["python_op_us"], floor["python_op_after_idle_us"] = hot, after_idle
             finally:
                 broker.stop()
             continue
@@ -708,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(side_by_side(results))
     for name, value in floor.items():
-        print(f"{name}: {value:.2f} ms")
+        print(f"{name}: {value:.2f} {'us' if name.endswith('_us') else 'ms'}")
     found = metrics(results, skipped)
     if found:
         print()

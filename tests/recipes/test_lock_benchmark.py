@@ -43,6 +43,15 @@ def test_library_rounds_through_the_cli(broker: Broker, tmp_path: Path) -> None:
     # and it includes at least the release record's round trip.
     assert 0 < library["handover_p50_ms"] <= library["handover_p99_ms"]
     assert 0 < library["uncontended_p50_ms"] <= library["uncontended_p99_ms"]
+    # The raw client's floors, measured in the same run on the same broker.
+    floor = document["locks"]["floor"]
+    assert set(floor) == {
+        "pulsar_two_sends_p50_ms",
+        "pulsar_handover_p50_ms",
+        "python_op_us",
+        "python_op_after_idle_us",
+    }
+    assert all(value > 0 for value in floor.values())
     # No peer measured: the metrics say so instead of claiming the target.
     assert all(
         not m["met"] and m["note"] == "no peer measured" for m in document["locks"]["metrics"]
