@@ -1,7 +1,7 @@
 """PySpark integration: PulsarMaps from drivers and executors, shared config, DataFrames, a sink.
 
-Install with the ``spark`` extra (PySpark 4.x). Four pieces, all built on
-:class:`recipes.PulsarMap`:
+Install with the ``spark`` extra (PySpark 4.x). The pieces, built on
+:class:`recipes.PulsarMap` and the lease recipes:
 
 * :class:`MapSpec`: what to connect to (service URL, topic, admin URL, codecs, options). A spec
   pickles; a live client never does. :func:`get_map` (or ``spec.open()``) turns it into the
@@ -12,6 +12,9 @@ Install with the ``spark`` extra (PySpark 4.x). Four pieces, all built on
   (:meth:`SharedConfig.foreach_batch`), and any process may change it with
   :meth:`SharedConfig.update`.
 * :func:`map_dataframe`: a consistent snapshot of a map as a DataFrame.
+* :class:`QueryLeader`: one running instance of a streaming query among any number of drivers
+  (a leader election; the query stops when its driver stops leading), and
+  :func:`join_membership`: executors' Python workers join a group the driver can list.
 * :class:`PulsarMapSink`: an exactly-once ``foreachBatch`` sink. Each micro-batch is ONE atomic
   write that carries the sink's id and the batch id; the map refuses a batch id it already
   holds, so a query restarted from its checkpoint never applies a batch twice.
@@ -36,6 +39,7 @@ run by CI, checks it). Importing it does not import PySpark.
 
 from ._config import SharedConfig
 from ._dataframe import map_dataframe
+from ._leases import QueryLeader, join_membership
 from ._sink import (
     SINK_MARKER_PREFIX,
     PulsarMapSink,
@@ -49,11 +53,13 @@ __all__ = [
     "SINK_MARKER_PREFIX",
     "MapSpec",
     "PulsarMapSink",
+    "QueryLeader",
     "SharedConfig",
     "SinkMode",
     "SinkOwnedByAnotherQueryError",
     "SinkResult",
     "close_maps",
     "get_map",
+    "join_membership",
     "map_dataframe",
 ]
