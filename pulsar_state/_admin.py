@@ -295,7 +295,14 @@ class AdminClient:
 
     async def close(self) -> None:
         """Close the kept-alive connection (a later call opens a new one)."""
-        await asyncio.to_thread(self._close_blocking)
+        try:
+            await asyncio.to_thread(self._close_blocking)
+        except RuntimeError:
+            # At interpreter exit the default executor takes no more work ("cannot schedule
+            # new futures after shutdown"), and a close left for the atexit hooks lands here:
+            # closing sockets is quick, so on the loop it is (the close's later steps, the
+            # Pulsar client's, must still run).
+            self._close_blocking()
 
     def _close_blocking(self) -> None:
         with self._lock:  # not under a request running in another thread

@@ -71,6 +71,38 @@ def test_blocking_facades_left_open_are_closed_and_their_portals_stopped_at_exit
     assert "PORTALS [] CLOSED True" in done.stderr, done.stderr[-2000:]
 
 
+def test_a_manager_closed_by_the_exit_hooks_closes_everything(broker: Broker, topic: str) -> None:
+    # At exit the default executor refuses work; the admin client's close used it, raised,
+    # and the rest of the manager's close (its Pulsar client) was skipped, with a warning for
+    # a map or membership cached by recipes.spark (closed by its own exit hook).
+    program = textwrap.dedent(
+        """
+        import logging, sys
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+        logging.getLogger("pulsar_state.client").setLevel(logging.WARNING)
+        from pulsar_state import SyncSharedStateManager
+
+        def apply(state, op):
+            state.update(op)
+
+        manager = SyncSharedStateManager(
+            sys.argv[1], sys.argv[2], initial_state=dict, apply=apply, admin_url=sys.argv[3]
+        )
+        manager.open()
+        manager.write(lambda s: [{"k": 1}])
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program, broker.service_url, topic, broker.admin_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left open at exit" not in done.stderr, done.stderr[-2000:]
+    assert "after shutdown" not in done.stderr, done.stderr[-2000:]
+
+
 def test_completion_after_the_event_loop_closed_does_not_abort(broker: Broker) -> None:
     # asyncio.run returned while a pulsar.asyncio operation was in flight (in the library: the
     # idle release of a manager left open); the operation completes when the client closes, and
