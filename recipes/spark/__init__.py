@@ -39,7 +39,7 @@ run by CI, checks it). Importing it does not import PySpark.
 
 from ._config import SharedConfig
 from ._dataframe import map_dataframe
-from ._leases import QueryLeader, join_membership
+from ._leases import QueryLeader, QueryRunningError, join_membership
 from ._sink import (
     SINK_MARKER_PREFIX,
     PulsarMapSink,
@@ -54,6 +54,7 @@ __all__ = [
     "MapSpec",
     "PulsarMapSink",
     "QueryLeader",
+    "QueryRunningError",
     "SharedConfig",
     "SinkMode",
     "SinkOwnedByAnotherQueryError",

@@ -16,12 +16,15 @@ from pyspark.sql.streaming.query import StreamingQuery
 
 from pulsar_state import ConfigurationError, OperationTimeoutError
 from recipes import SyncMembership
-from recipes.spark import QueryLeader, join_membership
+from recipes.spark import QueryLeader, QueryRunningError, join_membership
 from tests.spark.conftest import SPARK_MARKS, WAIT_S, map_options
 
 pytestmark = SPARK_MARKS
 
-TTL = 3.0
+# Renewed every TTL / 3 (2 s): a leader keeps MARGIN to spare unless a renewal is 3 s late,
+# which a loaded 2-core machine running Spark and the broker does not reach.
+TTL = 6.0
+MARGIN = 1.0
 
 
 def starter(spark: SparkSession, checkpoints: Path, label: str) -> Callable[[], StreamingQuery]:
@@ -40,8 +43,18 @@ def starter(spark: SparkSession, checkpoints: Path, label: str) -> Callable[[], 
     return start
 
 
-def leader_of(service_url: str, admin_url: str, topic: str, name: str) -> QueryLeader:
-    return QueryLeader(service_url, topic, name=name, ttl=TTL, admin_url=admin_url, **map_options())
+def leader_of(
+    service_url: str,
+    admin_url: str,
+    topic: str,
+    name: str,
+    *,
+    ttl: float = TTL,
+    margin: float = MARGIN,
+) -> QueryLeader:
+    return QueryLeader(
+        service_url, topic, name=name, ttl=ttl, margin=margin, admin_url=admin_url, **map_options()
+    )
 
 
 def leader_name(leader: QueryLeader) -> str | None:
@@ -73,7 +86,7 @@ def test_a_second_driver_starts_its_query_only_once_the_first_query_ends(
 
         waiting = threading.Thread(target=lambda: second.append(b.start(start_b)))
         waiting.start()
-        time.sleep(2 * TTL)  # renewed all along: b keeps waiting in line
+        time.sleep(1.5 * TTL)  # renewed all along: b keeps waiting in line
         assert not second
         assert first.isActive
         assert leader_name(a) == "driver-a"
@@ -87,7 +100,7 @@ def test_a_second_driver_starts_its_query_only_once_the_first_query_ends(
     assert not second[0].isActive  # leaving the block stopped it
 
 
-def test_a_driver_that_stops_leading_stops_its_query(
+def test_a_driver_whose_renewals_stop_stops_its_query_before_its_lease_ends(
     spark: SparkSession,
     service_url: str,
     admin_url: str,
@@ -95,21 +108,36 @@ def test_a_driver_that_stops_leading_stops_its_query(
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # The lease's view is replaced by "not leading" (as when renewals fail and the lease
-    # nears its end): the watcher stops the query and resigns, so the next driver leads.
+    # The lease is no longer renewed (as when every renewal fails): the watcher stops the
+    # query while the lease still has time left, then resigns, so the next driver starts its
+    # query with the first one already stopped.
     with (
-        leader_of(service_url, admin_url, topic, "driver-a") as a,
+        leader_of(service_url, admin_url, topic, "driver-a", margin=3.0) as a,
         leader_of(service_url, admin_url, topic, "driver-b") as b,
     ):
-        query = a.start(starter(spark, tmp_path, "a"))
+        first = a.start(starter(spark, tmp_path, "a"))
         caplog.set_level(logging.ERROR, logger="pulsar_state.spark")
-        a._election.is_leader = lambda *, margin=0.0: False  # type: ignore[method-assign]
-        wait_until(lambda: not query.isActive, "the query stopped")
+        ownership = a._election.async_election.ownership
+        lease = a.lease
+        assert lease is not None
+        a._election.portal.call_sync(lambda: ownership._stop_keeping(lease.id))
+        expires_at = ownership.read_local(lambda table: table.leases[lease.id].expires_at)
+        seen: list[bool] = []
+
+        def start_b() -> StreamingQuery:
+            seen.append(first.isActive)
+            return starter(spark, tmp_path, "b")()
+
+        second = threading.Thread(target=lambda: b.start(start_b))
+        second.start()
+        wait_until(lambda: not first.isActive, "the query stopped")
+        assert time.time() < expires_at  # before the lease ended
         assert a.lost_leadership
         assert "no longer leads" in caplog.text
-        replacement = b.start(starter(spark, tmp_path, "b"), timeout=WAIT_S)
-        assert replacement.isActive
-        assert b.lease is not None
+        second.join(WAIT_S)
+        assert seen == [False]
+        assert b.query is not None
+        assert b.query.isActive
         assert a.lease is None
 
 
@@ -131,11 +159,14 @@ def test_a_start_that_raises_hands_leadership_on(
 
 
 def test_bad_input(service_url: str, admin_url: str, topic: str) -> None:
-    for margin in (-1.0, TTL, TTL + 1):
+    threads = threading.active_count()
+    for margin in (-1.0, 0.0, TTL / 10, TTL, TTL + 1, "1", True):
         with pytest.raises(ConfigurationError, match="margin"):
-            QueryLeader(service_url, topic, ttl=TTL, margin=margin, admin_url=admin_url)
-    with pytest.raises(ConfigurationError, match="ttl"):
-        QueryLeader(service_url, topic, ttl=0, admin_url=admin_url)
+            QueryLeader(service_url, topic, ttl=TTL, margin=margin, admin_url=admin_url)  # type: ignore[arg-type]
+    for ttl in (0, -1.0, float("inf"), "10"):
+        with pytest.raises(ConfigurationError, match="ttl"):
+            QueryLeader(service_url, topic, ttl=ttl, margin=1.0, admin_url=admin_url)  # type: ignore[arg-type]
+    assert threading.active_count() == threads  # refused before any portal thread started
     with (
         leader_of(service_url, admin_url, topic, "driver-a") as a,
         leader_of(service_url, admin_url, topic, "driver-b") as b,
@@ -154,7 +185,7 @@ def test_a_second_start_is_an_error_while_the_first_query_runs_and_campaigns_aft
         leader_of(service_url, admin_url, topic, "driver-b") as b,
     ):
         first = a.start(starter(spark, tmp_path, "a"))
-        with pytest.raises(ConfigurationError, match="runs its query already"):
+        with pytest.raises(QueryRunningError, match="runs its query already"):
             a.start(starter(spark, tmp_path, "again"))
         assert first.isActive
         # Ended (a restart loop's case): b, in line, leads first; a runs again after it.
@@ -186,3 +217,56 @@ def test_executors_python_workers_join_the_group_once_each(
     # local[2]: at most two Python workers at once (PySpark may have replaced one since).
     assert 1 <= len(members) <= 4
     assert all(f"-{os.getpid()}-" not in name for name in members)  # not the driver
+
+
+def test_a_driver_frozen_past_its_lease_stops_its_query_when_it_resumes(
+    spark: SparkSession, service_url: str, admin_url: str, topic: str, tmp_path: Path
+) -> None:
+    # The driver's event loop (its renewals, its view of the lease) is held up for twice the
+    # TTL, as by a long pause: the lease expires, the other driver is granted and starts its
+    # query; the frozen one, on resuming, sees its lease past due and stops its own.
+    with (
+        leader_of(service_url, admin_url, topic, "driver-a", ttl=4.0, margin=0.8) as a,
+        leader_of(service_url, admin_url, topic, "driver-b", ttl=4.0, margin=0.8) as b,
+    ):
+        first = a.start(starter(spark, tmp_path, "a"))
+        second = threading.Thread(target=lambda: b.start(starter(spark, tmp_path, "b")))
+        second.start()
+        freeze = threading.Thread(
+            target=lambda: a._election.portal.call_sync(lambda: time.sleep(8.0))
+        )
+        freeze.start()
+        second.join(WAIT_S)
+        assert b.query is not None
+        assert b.query.isActive
+        assert leader_name(b) == "driver-b"
+        freeze.join()
+        # Nothing else stops it: its watcher does, at its first check after resuming.
+        wait_until(lambda: not first.isActive, "the frozen driver's query stopped")
+        assert a.lost_leadership
+        assert a.lease is None
+
+
+def test_join_membership_once_per_process_and_again_after_a_lost_lease(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    options = {"admin_url": admin_url, "ttl": 30.0, **map_options()}
+    groups: list[SyncMembership] = []
+    racing = [
+        threading.Thread(
+            target=lambda: groups.append(join_membership(service_url, topic, **options))
+        )
+        for _ in range(4)
+    ]
+    for thread in racing:
+        thread.start()
+    for thread in racing:
+        thread.join(WAIT_S)
+    assert len(groups) == 4
+    group = groups[0]
+    assert all(g is group for g in groups)
+    assert group.members() == [group.name]
+    group.leave()  # as if its lease had expired during a pause
+    assert group.members() == []
+    assert join_membership(service_url, topic, **options) is group
+    assert group.members() == [group.name]
