@@ -21,6 +21,34 @@ from tests.support.broker import Broker
 
 PROCESSES = 60
 
+# A program's tail: a blocking manager opened, written to and left open for the exit hooks.
+LEFT_OPEN = textwrap.dedent(
+    """
+    from pulsar_state import SyncSharedStateManager
+
+    def apply(state, op):
+        state.update(op)
+
+    manager = SyncSharedStateManager(
+        sys.argv[1], sys.argv[2], initial_state=dict, apply=apply, admin_url=sys.argv[3]
+    )
+    manager.open()
+    manager.write(lambda s: [{"k": 1}])
+    """
+)
+
+
+def run_leaving_a_manager_open(
+    program: str, broker: Broker, topic: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``program`` (which imports sys) followed by :data:`LEFT_OPEN`, in a new process."""
+    return subprocess.run(
+        [sys.executable, "-c", program + LEFT_OPEN, broker.service_url, topic, broker.admin_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
 
 @pytest.mark.slow
 def test_short_lived_processes_exit_cleanly(broker: Broker) -> None:
@@ -49,24 +77,9 @@ def test_blocking_facades_left_open_are_closed_and_their_portals_stopped_at_exit
             sys.stderr.write(f"PORTALS {alive} CLOSED {manager.manager.closed}\\n")
 
         atexit.register(last_hook)
-        from pulsar_state import SyncSharedStateManager
-
-        def apply(state, op):
-            state.update(op)
-
-        manager = SyncSharedStateManager(
-            sys.argv[1], sys.argv[2], initial_state=dict, apply=apply, admin_url=sys.argv[3]
-        )
-        manager.open()
-        manager.write(lambda s: [{"k": 1}])
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", program, broker.service_url, topic, broker.admin_url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_leaving_a_manager_open(program, broker, topic)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "PORTALS [] CLOSED True" in done.stderr, done.stderr[-2000:]
 
@@ -80,24 +93,9 @@ def test_a_manager_closed_by_the_exit_hooks_closes_everything(broker: Broker, to
         import logging, sys
         logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
         logging.getLogger("pulsar_state.client").setLevel(logging.WARNING)
-        from pulsar_state import SyncSharedStateManager
-
-        def apply(state, op):
-            state.update(op)
-
-        manager = SyncSharedStateManager(
-            sys.argv[1], sys.argv[2], initial_state=dict, apply=apply, admin_url=sys.argv[3]
-        )
-        manager.open()
-        manager.write(lambda s: [{"k": 1}])
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", program, broker.service_url, topic, broker.admin_url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_leaving_a_manager_open(program, broker, topic)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "left open at exit" not in done.stderr, done.stderr[-2000:]
     assert "after shutdown" not in done.stderr, done.stderr[-2000:]
