@@ -257,6 +257,11 @@ def join_membership(
     options).
     """
 
+    if "portal" in options:
+        raise ConfigurationError(
+            "join_membership runs on the process's shared portal (as get_map does): no portal="
+        )
+
     def open_joined(portal: Any) -> SyncMembership:
         group = SyncMembership(service_url, topic, portal=portal, name=name, ttl=ttl, **options)
         try:

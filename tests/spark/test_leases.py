@@ -271,3 +271,13 @@ def test_join_membership_once_per_process_and_again_after_a_lost_lease(
     assert group.members() == []
     assert join_membership(service_url, topic, **options) is group
     assert group.members() == [group.name]
+
+
+def test_join_membership_bad_input(service_url: str, admin_url: str, topic: str) -> None:
+    with pytest.raises(ConfigurationError, match="no portal="):
+        join_membership(service_url, topic, admin_url=admin_url, portal=object())
+    with pytest.raises(ConfigurationError, match="ttl"):
+        join_membership(service_url, topic, admin_url=admin_url, ttl=0)
+    # Nothing was cached by the refused calls: a good one joins.
+    group = join_membership(service_url, topic, admin_url=admin_url, ttl=30.0, **map_options())
+    assert group.members() == [group.name]
