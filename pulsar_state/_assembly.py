@@ -233,6 +233,7 @@ class Assembly(Generic[S, Op]):
             after_batch=self.snapshots.after_batch if self.snapshots else lambda: None,
             relay=self.relay,
         )
+        self._pending.on_submit = self.writer.queued
         self._tasks = [
             asyncio.create_task(self.writer.run(), name=f"pulsar-state-writer-{topic}"),
             asyncio.create_task(

@@ -108,6 +108,9 @@ class PendingWrites:
         self.settled = asyncio.Event()
         # The writer's latest failure, named when a write times out (why it did not land).
         self.last_failure: BaseException | None = None
+        # Called as each write is queued; True: the writer sends it without being woken
+        # (Writer.queued).
+        self.on_submit: Callable[[], bool] | None = None
 
     # ------------------------------------------------------------------ the queue
 
@@ -128,7 +131,8 @@ class PendingWrites:
         pending.future.add_done_callback(functools.partial(self._observe, loop.time()))
         self.queue.append(pending)
         heapq.heappush(self.deadlines, (pending.deadline, pending.write_seq, pending))
-        self.wake.set()
+        if self.on_submit is None or not self.on_submit():
+            self.wake.set()
         return pending.future
 
     def _observe(self, submitted: float, future: asyncio.Future[WriteResult[Any]]) -> None:
@@ -164,9 +168,10 @@ class PendingWrites:
                 kept.append(pending)
         self.queue = kept
 
-    def requeue(self, retry: Iterable[PendingWrite]) -> None:
+    def requeue(self, retry: Iterable[PendingWrite], *, retry_count: bool = True) -> None:
         # Retried first, in their original order: they waited longest. A write is never in
         # the queue twice, or its generator could run and commit twice in one batch.
+        # ``retry_count``: counted in ``write_retries`` (not when nothing was sent).
         again = [p for p in retry if not p.queued and not p.future.done()]
         if self._context.closed:
             # Nobody serves the queue any more (it was failed and the watchdog stops): end
@@ -177,7 +182,8 @@ class PendingWrites:
         for pending in again:
             pending.queued = True
         self.queue.extendleft(reversed(again))
-        self._stats.write_retries += len(again)
+        if retry_count:
+            self._stats.write_retries += len(again)
         if again:
             self.wake.set()
 

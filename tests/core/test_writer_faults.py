@@ -1,5 +1,5 @@
 """The writer after a failed send, on the real broker with one fault injected into the
-library's own code: its send wrapper (``StateWriter.send``, as if the client had failed the
+library's own code: its send wrapper (``StateWriter.send_nowait``, as if the client had failed the
 send) and, for one test, its read-back of the records sent (``Replica.wait_log``)."""
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ from tests.core.helpers import counter_manager, incr
 def fail_send_number(monkeypatch: pytest.MonkeyPatch, number: int) -> dict[str, int]:
     """Make the ``number``-th send of the process fail (not persisted); count the sends."""
     calls = {"send": 0}
-    send = StateWriter.send
+    send_nowait = StateWriter.send_nowait
 
-    async def failing(self: StateWriter, payload: bytes, *, key: str) -> LogPosition:
+    def failing(self: StateWriter, payload: bytes, *, key: str) -> asyncio.Future[LogPosition]:
         calls["send"] += 1
         if calls["send"] == number:
-            raise BrokerUnavailableError("injected: the send failed")
-        return await send(self, payload, key=key)
+            failed: asyncio.Future[LogPosition] = asyncio.get_running_loop().create_future()
+            failed.set_exception(BrokerUnavailableError("injected: the send failed"))
+            return failed
+        return send_nowait(self, payload, key=key)
 
-    monkeypatch.setattr(StateWriter, "send", failing)
+    monkeypatch.setattr(StateWriter, "send_nowait", failing)
     return calls
 
 
@@ -104,15 +106,15 @@ async def test_a_write_in_flight_when_the_replica_halts_ends_at_once(
     # Its record is sent; the replica halts before seeing it (injected: halted from the send
     # wrapper). Nothing can settle the write any more: it ended only at its deadline (here
     # 600 s); it ends now, with an unknown outcome (the record may be in the log).
-    send = StateWriter.send
+    send_nowait = StateWriter.send_nowait
     manager = counter_manager(service_url, topic, admin_url)
 
-    async def halting(self: StateWriter, payload: bytes, *, key: str) -> LogPosition:
+    def halting(self: StateWriter, payload: bytes, *, key: str) -> asyncio.Future[LogPosition]:
         manager._replica.halt_with(PulsarStateError("injected: the replica stopped"))
-        return await send(self, payload, key=key)
+        return send_nowait(self, payload, key=key)
 
     async with manager:
-        monkeypatch.setattr(StateWriter, "send", halting)
+        monkeypatch.setattr(StateWriter, "send_nowait", halting)
         write = asyncio.ensure_future(manager.write(lambda s: [incr("a")], timeout=600.0))
         with pytest.raises(WriteOutcomeUnknownError, match="the replica halted") as caught:
             await asyncio.wait_for(write, 60.0)

@@ -1,0 +1,237 @@
+"""A write queued while the writer idles holding the topic's producer is built and sent by a
+callback at the end of that loop turn (``Writer.queued``), not after the writer's task wakes;
+the writer's task finishes it as any batch. Each test checks that the write took that path
+(the batch is issued before the writer's task runs) and that it keeps every guarantee of the
+other, group commit included."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+import pulsar_state._pulsar
+from pulsar_state import ApplyError, BrokerUnavailableError
+from pulsar_state._pulsar import LogPosition, StateWriter
+from tests.core.helpers import counter_manager, incr, seen_by, topic_message_count
+
+# Held between the tests' writes (no idle release, no turn given): only the first takes it.
+HELD = {"idle_release_s": 30.0, "max_hold_s": 30.0}
+
+
+async def parked(manager: Any) -> Any:
+    """The manager's writer, once its serve loop waits holding the producer."""
+    writer = manager._parts.writer
+    for _ in range(200):
+        if writer._parked:
+            return writer
+        await asyncio.sleep(0.01)
+    raise AssertionError("the writer never idled holding the producer")
+
+
+def submit(manager: Any, generator: Any, reader: Any = None) -> asyncio.Future[Any]:
+    # What write() does, without the await.
+    return manager._pending.submit(generator, reader, 30.0)
+
+
+async def end_of_turn(writer: Any) -> Any:
+    """The batch sent at the end of the loop turn, looked at before the writer's task runs
+    (this task resumes after that callback, and before the task it wakes)."""
+    assert writer._send_soon is not None
+    await asyncio.sleep(0)
+    assert writer._send_soon is None
+    return writer._issued
+
+
+async def test_a_write_to_an_idle_holder_is_sent_without_waking_the_writer(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    async with manager:
+        await manager.write(lambda s: [incr("a")])
+        writer = await parked(manager)
+        written = submit(manager, lambda s: [incr("b")], lambda s: s["count"])
+        issued = await end_of_turn(writer)
+        assert issued is not None
+        assert len(issued.records) == 1
+        result = await asyncio.wait_for(written, 30)
+        assert (result.value, result.position) == (2, 2)
+        assert await seen_by(manager) == {"a": 1, "b": 1}
+        assert manager.stats.writer_acquisitions == 1  # the producer was kept throughout
+    assert await topic_message_count(service_url, topic) == 2
+
+
+async def test_a_refused_write_sent_at_once_appends_nothing(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    manager = counter_manager(service_url, topic, admin_url, **HELD)
+
+    def raising(state: Any) -> list[Any]:
+        raise KeyError("the caller's own error")
+
+    async with manager:
+        await manager.write(lambda s: [incr("a")])
+        writer = await parked(manager)
+        refused = submit(manager, raising)
+        await end_of_turn(writer)
+        assert refused.done()  # refused while built
+        with pytest.raises(KeyError, match="the caller's own error"):
+            await refused
+        await parked(manager)
+        failing_op = submit(manager, lambda s: [{"op": "boom"}])
+        with pytest.raises(ApplyError, match="boom op"):
+            await failing_op
+        assert (await manager.write(lambda s: [incr("b")])).position == 2
+        assert writer._issued is None
+    assert await topic_message_count(service_url, topic) == 2
+
+
+async def test_a_write_with_no_ops_sent_at_once_is_confirmed_by_the_writer(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    async with manager:
+        await manager.write(lambda s: [incr("a")])
+        writer = await parked(manager)
+        nothing = submit(manager, lambda s: [], lambda s: s["count"])
+        issued = await end_of_turn(writer)
+        assert issued is not None
+        assert issued.unchanged
+        assert not nothing.done()  # settled once the writer confirmed the state is the latest
+        result = await asyncio.wait_for(nothing, 30)
+        assert (result.value, result.position) == (1, 1)
+    assert await topic_message_count(service_url, topic) == 1
+
+
+async def test_a_failed_send_at_once_is_retried_and_applied_once(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sends = {"count": 0}
+    send_nowait = StateWriter.send_nowait
+
+    def failing_second(
+        self: StateWriter, payload: bytes, *, key: str
+    ) -> asyncio.Future[LogPosition]:
+        sends["count"] += 1
+        if sends["count"] == 2:  # the write sent at once (not persisted)
+            failed: asyncio.Future[LogPosition] = asyncio.get_running_loop().create_future()
+            failed.set_exception(BrokerUnavailableError("injected: the send failed"))
+            return failed
+        return send_nowait(self, payload, key=key)
+
+    monkeypatch.setattr(StateWriter, "send_nowait", failing_second)
+    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    async with manager:
+        await manager.write(lambda s: [incr("a")])
+        writer = await parked(manager)
+        retried = submit(manager, lambda s: [incr("b")])
+        assert await end_of_turn(writer) is not None
+        assert (await asyncio.wait_for(retried, 30)).position == 2
+        assert await seen_by(manager) == {"a": 1, "b": 1}
+        assert sends["count"] == 3
+        assert manager.stats.write_retries == 1
+    assert await topic_message_count(service_url, topic) == 2
+
+
+async def test_writes_queued_behind_one_sent_at_once_follow_it_in_order(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    async with manager:
+        await manager.write(lambda s: [incr("a")])
+        writer = await parked(manager)
+        first = submit(manager, lambda s: [incr("first")], lambda s: s["count"])
+        assert await end_of_turn(writer) is not None
+        # Queued while it is in flight: the serve loop sends them after it, in one batch.
+        followers = [
+            submit(manager, lambda s, i=i: [incr(f"w{i}")], lambda s: s["count"]) for i in range(20)
+        ]
+        results = await asyncio.wait_for(asyncio.gather(first, *followers), 30)
+        assert [r.value for r in results] == list(range(2, 23))  # applied in queue order
+        seen = await seen_by(manager)
+        assert len(seen) == 22
+        assert set(seen.values()) == {1}
+
+
+async def test_writes_queued_in_one_loop_turn_share_a_record(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Group commit as when the writer's task builds the batch: sending the first write as it
+    # is queued, alone, would make the others wait for its acknowledgement.
+    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    async with manager:
+        await manager.write(lambda s: [incr("a")])
+        await parked(manager)
+        results = await asyncio.gather(*(manager.write(lambda s: [incr()]) for _ in range(10)))
+        assert {r.position for r in results} == {2}
+    assert await topic_message_count(service_url, topic) == 2
+
+
+async def test_closing_right_after_a_write_sent_at_once_ends_it(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    await manager.open()
+    await manager.write(lambda s: [incr("a")])
+    writer = await parked(manager)
+    written = submit(manager, lambda s: [incr("b")])
+    assert await end_of_turn(writer) is not None
+    await asyncio.wait_for(manager.aclose(), 30)
+    # The closing writer finished the batch first: the write's outcome is known.
+    assert (await asyncio.wait_for(written, 5)).position == 2
+    assert await topic_message_count(service_url, topic) == 2
+
+
+async def test_a_write_with_no_ops_batched_with_others_is_confirmed_before_they_are_sent(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # In one batch, a conditional write that appends nothing is decided on the state before
+    # the batch's record, and confirmed (that state is the log's latest) before the record is
+    # sent. Sent at once, the record would come first, and the decision would be reported at
+    # the record's position, where its condition no longer holds: such a batch is left to the
+    # writer's task, which builds it again and does it in that order.
+    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    async with manager:
+        await manager.write(lambda s: [incr("a")])
+        writer = await parked(manager)
+        conditional = submit(
+            manager,
+            lambda s: [] if s["count"] < 2 else [incr("late")],
+            lambda s: s["count"],
+        )
+        other = submit(manager, lambda s: [incr("b")])
+        assert await end_of_turn(writer) is None  # nothing sent: the batch is the loop's
+        result = await asyncio.wait_for(conditional, 30)
+        assert (result.value, result.position) == (1, 1)  # where its condition held
+        assert (await asyncio.wait_for(other, 30)).position == 2
+        assert await seen_by(manager) == {"a": 1, "b": 1}
+        assert manager.stats.write_retries == 0
+
+
+async def test_a_send_refused_before_it_leaves_is_retried(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The client can refuse a send as it is handed over (here: the process check); that is a
+    # failed send like any other, retried, not an error escaping to the writer loop with the
+    # write launched but never sent (it then ended at its deadline, outcome unknown).
+    refusals = {"left": 1}
+    check = pulsar_state._pulsar._check_process
+
+    def refusing_once(pid: int, what: str) -> None:
+        if what.startswith("the writer") and refusals["left"]:
+            refusals["left"] -= 1
+            raise BrokerUnavailableError("injected: the client refused the send")
+        check(pid, what)
+
+    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    async with manager:
+        await manager.write(lambda s: [incr("a")])
+        writer = await parked(manager)
+        monkeypatch.setattr(pulsar_state._pulsar, "_check_process", refusing_once)
+        written = submit(manager, lambda s: [incr("b")])
+        assert await end_of_turn(writer) is not None
+        assert (await asyncio.wait_for(written, 30)).position == 2
+        assert refusals["left"] == 0
+        assert await seen_by(manager) == {"a": 1, "b": 1}
+    assert await topic_message_count(service_url, topic) == 2
