@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterator, MutableMapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from pulsar_state import ConfigurationError, DictOverlay, PulsarStateError
@@ -92,6 +92,27 @@ class Lease:
     def held(self) -> bool:
         """True once granted (a waiting request is not held)."""
         return self.token > 0
+
+    def _with(
+        self,
+        *,
+        ttl: float | None = None,
+        expires_at: float | None = None,
+        token: int | None = None,
+        position: int | None = None,
+    ) -> Lease:
+        """This lease with the fields given changed: ``dataclasses.replace``, at half its
+        cost (it is on every grant and renewal, in the writer's trial run and every replica)."""
+        return Lease(
+            self.id,
+            self.owner,
+            self.names,
+            self.mode,
+            self.ttl if ttl is None else ttl,
+            self.expires_at if expires_at is None else expires_at,
+            self.token if token is None else token,
+            self.position if position is None else position,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +270,7 @@ class LeaseTable:
         lease = self.leases.get(lease_id)
         if lease is None:
             return
-        renewed = replace(lease, ttl=ttl, expires_at=self.clock + ttl)
+        renewed = lease._with(ttl=ttl, expires_at=self.clock + ttl)
         self.leases[lease_id] = renewed  # keeps its place in the FIFO
         self._index(renewed)
         self.events.append(LeaseEvent("renewed", renewed, self.position))
@@ -280,11 +301,8 @@ class LeaseTable:
             lease = self.leases[lease_id]
             if self._grantable(lease, wanted_write, wanted_read):
                 self.last_token += 1
-                granted = replace(
-                    lease,
-                    token=self.last_token,
-                    position=self.position,
-                    expires_at=self.clock + lease.ttl,
+                granted = lease._with(
+                    token=self.last_token, position=self.position, expires_at=self.clock + lease.ttl
                 )
                 self.leases[lease.id] = granted
                 del self._waiting[lease.id]
