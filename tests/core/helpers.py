@@ -9,8 +9,10 @@ from typing import Any
 
 import pulsar
 import pulsar.asyncio as pulsar_asyncio
+import pytest
 
-from pulsar_state import SharedStateManager
+from pulsar_state import BrokerUnavailableError, SharedStateManager
+from pulsar_state._pulsar import LogPosition, StateWriter
 
 Counter = dict[str, Any]
 
@@ -96,3 +98,20 @@ async def topic_message_count(service_url: str, topic: str) -> int:
         return count
     finally:
         await client.close()
+
+
+def fail_send_number(monkeypatch: pytest.MonkeyPatch, number: int) -> dict[str, int]:
+    """Make the ``number``-th send of the process fail (not persisted); count the sends."""
+    calls = {"send": 0}
+    send_nowait = StateWriter.send_nowait
+
+    def failing(self: StateWriter, payload: bytes, *, key: str) -> asyncio.Future[LogPosition]:
+        calls["send"] += 1
+        if calls["send"] == number:
+            failed: asyncio.Future[LogPosition] = asyncio.get_running_loop().create_future()
+            failed.set_exception(BrokerUnavailableError("injected: the send failed"))
+            return failed
+        return send_nowait(self, payload, key=key)
+
+    monkeypatch.setattr(StateWriter, "send_nowait", failing)
+    return calls

@@ -13,11 +13,26 @@ import pytest
 
 import pulsar_state._pulsar
 from pulsar_state import ApplyError, BrokerUnavailableError
-from pulsar_state._pulsar import LogPosition, StateWriter
-from tests.core.helpers import counter_manager, incr, seen_by, topic_message_count
+from tests.core.helpers import (
+    counter_manager,
+    fail_send_number,
+    incr,
+    seen_by,
+    topic_message_count,
+)
 
 # Held between the tests' writes (no idle release, no turn given): only the first takes it.
 HELD = {"idle_release_s": 30.0, "max_hold_s": 30.0}
+
+
+def held_manager(service_url: str, topic: str, admin_url: str) -> Any:
+    return counter_manager(service_url, topic, admin_url, **HELD)
+
+
+async def holding(manager: Any) -> Any:
+    """Take the writer with a first write ("a"); its writer, once idle holding the producer."""
+    await manager.write(lambda s: [incr("a")])
+    return await parked(manager)
 
 
 async def parked(manager: Any) -> Any:
@@ -47,10 +62,9 @@ async def end_of_turn(writer: Any) -> Any:
 async def test_a_write_to_an_idle_holder_is_sent_without_waking_the_writer(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    manager = held_manager(service_url, topic, admin_url)
     async with manager:
-        await manager.write(lambda s: [incr("a")])
-        writer = await parked(manager)
+        writer = await holding(manager)
         written = submit(manager, lambda s: [incr("b")], lambda s: s["count"])
         issued = await end_of_turn(writer)
         assert issued is not None
@@ -65,14 +79,13 @@ async def test_a_write_to_an_idle_holder_is_sent_without_waking_the_writer(
 async def test_a_refused_write_sent_at_once_appends_nothing(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    manager = held_manager(service_url, topic, admin_url)
 
     def raising(state: Any) -> list[Any]:
         raise KeyError("the caller's own error")
 
     async with manager:
-        await manager.write(lambda s: [incr("a")])
-        writer = await parked(manager)
+        writer = await holding(manager)
         refused = submit(manager, raising)
         await end_of_turn(writer)
         assert refused.done()  # refused while built
@@ -90,10 +103,9 @@ async def test_a_refused_write_sent_at_once_appends_nothing(
 async def test_a_write_with_no_ops_sent_at_once_is_confirmed_by_the_writer(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    manager = held_manager(service_url, topic, admin_url)
     async with manager:
-        await manager.write(lambda s: [incr("a")])
-        writer = await parked(manager)
+        writer = await holding(manager)
         nothing = submit(manager, lambda s: [], lambda s: s["count"])
         issued = await end_of_turn(writer)
         assert issued is not None
@@ -107,29 +119,15 @@ async def test_a_write_with_no_ops_sent_at_once_is_confirmed_by_the_writer(
 async def test_a_failed_send_at_once_is_retried_and_applied_once(
     service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sends = {"count": 0}
-    send_nowait = StateWriter.send_nowait
-
-    def failing_second(
-        self: StateWriter, payload: bytes, *, key: str
-    ) -> asyncio.Future[LogPosition]:
-        sends["count"] += 1
-        if sends["count"] == 2:  # the write sent at once (not persisted)
-            failed: asyncio.Future[LogPosition] = asyncio.get_running_loop().create_future()
-            failed.set_exception(BrokerUnavailableError("injected: the send failed"))
-            return failed
-        return send_nowait(self, payload, key=key)
-
-    monkeypatch.setattr(StateWriter, "send_nowait", failing_second)
-    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    sends = fail_send_number(monkeypatch, 2)  # the write sent at once (not persisted)
+    manager = held_manager(service_url, topic, admin_url)
     async with manager:
-        await manager.write(lambda s: [incr("a")])
-        writer = await parked(manager)
+        writer = await holding(manager)
         retried = submit(manager, lambda s: [incr("b")])
         assert await end_of_turn(writer) is not None
         assert (await asyncio.wait_for(retried, 30)).position == 2
         assert await seen_by(manager) == {"a": 1, "b": 1}
-        assert sends["count"] == 3
+        assert sends["send"] == 3
         assert manager.stats.write_retries == 1
     assert await topic_message_count(service_url, topic) == 2
 
@@ -137,10 +135,9 @@ async def test_a_failed_send_at_once_is_retried_and_applied_once(
 async def test_writes_queued_behind_one_sent_at_once_follow_it_in_order(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    manager = held_manager(service_url, topic, admin_url)
     async with manager:
-        await manager.write(lambda s: [incr("a")])
-        writer = await parked(manager)
+        writer = await holding(manager)
         first = submit(manager, lambda s: [incr("first")], lambda s: s["count"])
         assert await end_of_turn(writer) is not None
         # Queued while it is in flight: the serve loop sends them after it, in one batch.
@@ -159,10 +156,9 @@ async def test_writes_queued_in_one_loop_turn_share_a_record(
 ) -> None:
     # Group commit as when the writer's task builds the batch: sending the first write as it
     # is queued, alone, would make the others wait for its acknowledgement.
-    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    manager = held_manager(service_url, topic, admin_url)
     async with manager:
-        await manager.write(lambda s: [incr("a")])
-        await parked(manager)
+        await holding(manager)
         results = await asyncio.gather(*(manager.write(lambda s: [incr()]) for _ in range(10)))
         assert {r.position for r in results} == {2}
     assert await topic_message_count(service_url, topic) == 2
@@ -171,10 +167,9 @@ async def test_writes_queued_in_one_loop_turn_share_a_record(
 async def test_closing_right_after_a_write_sent_at_once_ends_it(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    manager = held_manager(service_url, topic, admin_url)
     await manager.open()
-    await manager.write(lambda s: [incr("a")])
-    writer = await parked(manager)
+    writer = await holding(manager)
     written = submit(manager, lambda s: [incr("b")])
     assert await end_of_turn(writer) is not None
     await asyncio.wait_for(manager.aclose(), 30)
@@ -191,10 +186,9 @@ async def test_a_write_with_no_ops_batched_with_others_is_confirmed_before_they_
     # sent. Sent at once, the record would come first, and the decision would be reported at
     # the record's position, where its condition no longer holds: such a batch is left to the
     # writer's task, which builds it again and does it in that order.
-    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    manager = held_manager(service_url, topic, admin_url)
     async with manager:
-        await manager.write(lambda s: [incr("a")])
-        writer = await parked(manager)
+        writer = await holding(manager)
         conditional = submit(
             manager,
             lambda s: [] if s["count"] < 2 else [incr("late")],
@@ -224,10 +218,9 @@ async def test_a_send_refused_before_it_leaves_is_retried(
             raise BrokerUnavailableError("injected: the client refused the send")
         check(pid, what)
 
-    manager = counter_manager(service_url, topic, admin_url, **HELD)
+    manager = held_manager(service_url, topic, admin_url)
     async with manager:
-        await manager.write(lambda s: [incr("a")])
-        writer = await parked(manager)
+        writer = await holding(manager)
         monkeypatch.setattr(pulsar_state._pulsar, "_check_process", refusing_once)
         written = submit(manager, lambda s: [incr("b")])
         assert await end_of_turn(writer) is not None

@@ -10,31 +10,13 @@ from typing import Any
 import pytest
 
 from pulsar_state import (
-    BrokerUnavailableError,
     PulsarStateError,
     ReplicaHaltedError,
     WriteOutcomeUnknownError,
 )
 from pulsar_state._pulsar import LogPosition, StateReader, StateWriter
 from pulsar_state._replica import Replica
-from tests.core.helpers import counter_manager, incr
-
-
-def fail_send_number(monkeypatch: pytest.MonkeyPatch, number: int) -> dict[str, int]:
-    """Make the ``number``-th send of the process fail (not persisted); count the sends."""
-    calls = {"send": 0}
-    send_nowait = StateWriter.send_nowait
-
-    def failing(self: StateWriter, payload: bytes, *, key: str) -> asyncio.Future[LogPosition]:
-        calls["send"] += 1
-        if calls["send"] == number:
-            failed: asyncio.Future[LogPosition] = asyncio.get_running_loop().create_future()
-            failed.set_exception(BrokerUnavailableError("injected: the send failed"))
-            return failed
-        return send_nowait(self, payload, key=key)
-
-    monkeypatch.setattr(StateWriter, "send_nowait", failing)
-    return calls
+from tests.core.helpers import counter_manager, fail_send_number, incr
 
 
 async def wait_until_forgotten(manager: Any, timeout: float = 10.0) -> int:
