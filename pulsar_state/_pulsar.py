@@ -547,13 +547,16 @@ class StateWriter:
     async def send(self, payload: bytes, *, key: str) -> LogPosition:
         return await self.send_nowait(payload, key=key)
 
-    def send_nowait(self, payload: bytes, *, key: str) -> asyncio.Future[LogPosition]:
+    def send_nowait(
+        self, payload: bytes, *, key: str, on_settled: Callable[[], None] | None = None
+    ) -> asyncio.Future[LogPosition]:
         """Hand the message to the client now, in order with the sends before it; the future
         gets its position once the broker acknowledges it (or the translated error).
 
         Not a coroutine: pulsar.asyncio's ``send`` hands the message over only when its task
         first runs, one event-loop turn later (50-100 us on a CPU that was idle), and the
-        writer sends from whichever task has the record ready.
+        writer sends from whichever task has the record ready. ``on_settled`` is called on
+        the loop right after the future is settled (before the tasks awaiting it resume).
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[LogPosition] = loop.create_future()
@@ -569,6 +572,8 @@ class StateWriter:
                 error = translate(cause, context)
                 error.__cause__ = cause
                 future.set_exception(error)
+            if on_settled is not None:
+                on_settled()  # its own errors are its own: it never raises (see Writer)
 
         def acknowledged(result: Any, msg_id: Any) -> None:  # on the client's thread
             # Never raises: an exception here aborts the process (see _tolerate_closed_loops).
@@ -590,6 +595,8 @@ class StateWriter:
                 self._producer._producer.send_async(builder.build(), acknowledged)
         except Exception as exc:
             future.set_exception(exc)
+            if on_settled is not None:
+                loop.call_soon(on_settled)  # as from settle(), once the caller has the future
         return future
 
     async def close(self) -> None:

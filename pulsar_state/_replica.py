@@ -510,9 +510,14 @@ class Replica(Generic[S, Op]):
         is what the pump would do when the reader delivers it (and the pump then skips it).
         Otherwise (first entry of a ledger, or the pump is behind) the pump handles it.
         """
-        last = self.read_to
-        if last is not None and last.ledger == at.ledger and last.entry + 1 == at.entry:
+        if self.is_next(at):
             self.on_message(RawMessage(payload, at), record)  # no need to decode
+
+    def is_next(self, at: LogPosition) -> bool:
+        """Whether the message stored at ``at`` is provably the next one in the log: the
+        same ledger as the last one handled, and the entry after it."""
+        last = self.read_to
+        return last is not None and last.ledger == at.ledger and last.entry + 1 == at.entry
 
     def _apply(self, record: Record, decoded: list[list[Op]], at: LogPosition) -> None:
         claim = self._owner.claim(record.record_id)

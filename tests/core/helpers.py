@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -105,13 +105,22 @@ def fail_send_number(monkeypatch: pytest.MonkeyPatch, number: int) -> dict[str, 
     calls = {"send": 0}
     send_nowait = StateWriter.send_nowait
 
-    def failing(self: StateWriter, payload: bytes, *, key: str) -> asyncio.Future[LogPosition]:
+    def failing(
+        self: StateWriter,
+        payload: bytes,
+        *,
+        key: str,
+        on_settled: Callable[[], None] | None = None,
+    ) -> asyncio.Future[LogPosition]:
         calls["send"] += 1
         if calls["send"] == number:
-            failed: asyncio.Future[LogPosition] = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            failed: asyncio.Future[LogPosition] = loop.create_future()
             failed.set_exception(BrokerUnavailableError("injected: the send failed"))
+            if on_settled is not None:
+                loop.call_soon(on_settled)  # as send_nowait does for a send it refuses
             return failed
-        return send_nowait(self, payload, key=key)
+        return send_nowait(self, payload, key=key, on_settled=on_settled)
 
     monkeypatch.setattr(StateWriter, "send_nowait", failing)
     return calls

@@ -1,8 +1,9 @@
 """A write queued while the writer idles holding the topic's producer is built and sent by a
 callback at the end of that loop turn (``Writer.queued``), not after the writer's task wakes;
-the writer's task finishes it as any batch. Each test checks that the write took that path
-(the batch is issued before the writer's task runs) and that it keeps every guarantee of the
-other, group commit included."""
+a batch of one record is finished on its acknowledgement (``Writer._finish_at_once``), any
+other by the writer's task. Each test checks that the write took that path (the batch is
+issued before the writer's task runs; the writer's task stays in its idle wait) and that it
+keeps every guarantee of the other, group commit included."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.core.helpers import (
     seen_by,
     topic_message_count,
 )
+from tests.support.waiting import until
 
 # Held between the tests' writes (no idle release, no turn given): only the first takes it.
 HELD = {"idle_release_s": 30.0, "max_hold_s": 30.0}
@@ -30,8 +32,12 @@ def held_manager(service_url: str, topic: str, admin_url: str) -> Any:
 
 
 async def holding(manager: Any) -> Any:
-    """Take the writer with a first write ("a"); its writer, once idle holding the producer."""
+    """Take the writer with a first write ("a"); its writer, once idle holding the producer
+    with its relay open (the relay opening wakes the writer's task)."""
     await manager.write(lambda s: [incr("a")])
+    relay = manager._parts.relay
+    if relay is not None:
+        await until(lambda: relay.ready, "the relay opens")
     return await parked(manager)
 
 
@@ -228,3 +234,100 @@ async def test_a_send_refused_before_it_leaves_is_retried(
         assert refusals["left"] == 0
         assert await seen_by(manager) == {"a": 1, "b": 1}
     assert await topic_message_count(service_url, topic) == 2
+
+
+async def test_a_write_sent_at_once_is_finished_without_waking_the_writer(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    manager = held_manager(service_url, topic, admin_url)
+    async with manager:
+        writer = await holding(manager)
+        idle_wait = writer._idle_wait
+        assert idle_wait is not None
+        for expected in (2, 3, 4):
+            result = await manager.write(lambda s: [incr("a")], reader=lambda s: s["count"])
+            assert (result.value, result.position) == (expected, expected)
+            # The same idle wait: the writer's task never left it, and the next write may
+            # be sent at once again.
+            assert writer._idle_wait is idle_wait
+            assert writer._parked
+            assert writer._issued is None
+        assert manager.stats.records_sent == 4
+        assert await seen_by(manager) == {"a": 4}
+    assert await topic_message_count(service_url, topic) == 4
+
+
+async def test_writes_finished_at_once_keep_the_writer_past_its_idle_release(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The writer is given up idle_release_s after the last write, not after the first one
+    # finished without the writer's task: each pushes its idle wait back.
+    manager = counter_manager(service_url, topic, admin_url, idle_release_s=0.6, max_hold_s=30.0)
+    async with manager:
+        await holding(manager)
+        for _ in range(8):  # 1.6 s in all, a write every 0.2 s
+            await asyncio.sleep(0.2)
+            await manager.write(lambda s: [incr()])
+        assert manager.stats.writer_releases == 0
+        assert manager.stats.writer_acquisitions == 1
+        await asyncio.sleep(1.5)  # idle: released as before
+        assert manager.stats.writer_releases == 1
+    assert await topic_message_count(service_url, topic) == 9
+
+
+async def test_a_write_acknowledged_out_of_step_with_the_replica_is_finished_by_the_writer(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A record not provably next in the log (the first of a new ledger, or the replica's
+    # pump behind) is read back by the pump: the writer's task finishes that batch.
+    manager = held_manager(service_url, topic, admin_url)
+    async with manager:
+        writer = await holding(manager)
+        replica = manager._replica
+        monkeypatch.setattr(replica, "is_next", lambda at: False)
+        monkeypatch.setattr(replica, "apply_own", lambda payload, record, at: None)
+        idle_wait = writer._idle_wait
+        result = await asyncio.wait_for(
+            manager.write(lambda s: [incr("b")], reader=lambda s: s["count"]), 30
+        )
+        assert (result.value, result.position) == (2, 2)
+        assert writer._idle_wait is not idle_wait  # the writer's task was woken for it
+        assert await seen_by(manager) == {"a": 1, "b": 1}
+    assert await topic_message_count(service_url, topic) == 2
+
+
+async def test_writes_left_queued_by_a_batch_sent_at_once_follow_without_delay(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # One write per batch: the second, queued in the same loop turn, is left in the queue;
+    # the writer's task sends it next (it waited for the writer's task to wake: here at
+    # the unasked turn, 5 s or more, or after idle_release_s, 30 s).
+    manager = counter_manager(service_url, topic, admin_url, max_writes_per_batch=1, **HELD)
+    async with manager:
+        await holding(manager)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(manager.write(lambda s: [incr()]) for _ in range(2))), 3
+        )
+        assert sorted(r.position for r in results) == [2, 3]
+    assert await topic_message_count(service_url, topic) == 3
+
+
+async def test_a_lone_writer_finishing_writes_at_once_still_gives_its_idle_turn(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # With the relay open, the holder gives one turn unasked at a moment nothing is queued,
+    # at half of _unasked_turn_after() (here 20 x max_hold_s = 1 s: at 0.5 s), as its
+    # writer's task would when it waits again after each batch; a writer finishing writes
+    # at once must not push that wait past it (the turn then came only at 1 s, as a busy
+    # one with its pause).
+    manager = counter_manager(service_url, topic, admin_url, idle_release_s=0.3, max_hold_s=0.05)
+    async with manager:
+        await manager.write(lambda s: [incr("a")])
+        await until(lambda: manager._parts.relay.ready, "the relay opens")
+        releases = manager.stats.writer_releases
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while loop.time() - started < 0.8:
+            await asyncio.sleep(0.05)
+            await manager.write(lambda s: [incr()])
+        assert manager.stats.writer_releases > releases

@@ -91,9 +91,11 @@ async def test_a_write_in_flight_when_the_replica_halts_ends_at_once(
     send_nowait = StateWriter.send_nowait
     manager = counter_manager(service_url, topic, admin_url)
 
-    def halting(self: StateWriter, payload: bytes, *, key: str) -> asyncio.Future[LogPosition]:
+    def halting(
+        self: StateWriter, payload: bytes, *, key: str, on_settled: Any = None
+    ) -> asyncio.Future[LogPosition]:
         manager._replica.halt_with(PulsarStateError("injected: the replica stopped"))
-        return send_nowait(self, payload, key=key)
+        return send_nowait(self, payload, key=key, on_settled=on_settled)
 
     async with manager:
         monkeypatch.setattr(StateWriter, "send_nowait", halting)
