@@ -27,6 +27,10 @@ The systems:
   gateway (``/v3/lock/lock`` and ``/v3/lock/unlock``, holding a lease granted once per process
   as a session does). etcd 3.4 has no switch to skip fsync, so its writes are synced.
 
+All servers and worker processes are up together and the systems take turns, ten blocks of
+a tenth of each figure's rounds (``--blocks``), their order rotating: a slower spell of the
+machine weighs on every system alike. ``--blocks 1`` measures one system after the other.
+
 A peer whose package (or kazoo) is missing is skipped with a message saying what to install.
 Prints a table and adds a ``locks`` section to ``benchmarks/results.json`` (or ``--out``),
 keeping the rest of that file. The target (issue 14): the library <= the faster peer.
@@ -324,6 +328,54 @@ class SystemResult:
     handover_at_once_p99_ms: float = 0.0
 
 
+class Pair:
+    """One system's holder and waiter processes, and the times they measured so far."""
+
+    def __init__(self, system: str, target: dict[str, Any], label: str = "") -> None:
+        self.label = label or system
+        self.holder = Worker(system, target)
+        try:
+            self.waiter = Worker(system, target)
+        except BaseException:
+            self.holder.stop()
+            raise
+        self.alone: list[float] = []
+        self.gaps: dict[float, list[float]] = {QUEUED_S: [], 0: []}
+
+    def warm(self, warmup: int) -> None:
+        # The same warm-up for every system (connections, caches, a JVM's compiled paths):
+        # servers run for long in production, and each is measured warm.
+        self.holder.send("uncontended", max(3, warmup))
+        self.holder.reply()
+        for queued in (QUEUED_S, 0):
+            handover_gaps(self.holder, self.waiter, max(1, warmup // 100), queued)
+
+    def measure(self, uncontended: int, handovers: int) -> None:
+        self.holder.send("uncontended", uncontended)
+        self.alone += self.holder.reply()
+        for queued in (QUEUED_S, 0):
+            self.gaps[queued] += handover_gaps(self.holder, self.waiter, handovers, queued)
+
+    def stop(self) -> None:
+        self.holder.stop()
+        self.waiter.stop()
+
+    def result(self) -> SystemResult:
+        ms = 1000.0
+        alone, gaps = self.alone, self.gaps
+        return SystemResult(
+            self.label,
+            percentile(alone, 0.5) * ms,
+            percentile(alone, 0.99) * ms,
+            percentile(gaps[QUEUED_S], 0.5) * ms,
+            percentile(gaps[QUEUED_S], 0.99) * ms,
+            len(alone),
+            len(gaps[QUEUED_S]),
+            percentile(gaps[0], 0.5) * ms,
+            percentile(gaps[0], 0.99) * ms,
+        )
+
+
 def measure(
     system: str,
     target: dict[str, Any],
@@ -332,35 +384,40 @@ def measure(
     label: str = "",
     warmup: int = 0,
 ) -> SystemResult:
-    holder = Worker(system, target)
-    waiter = Worker(system, target)
+    """One system alone: warmed up, then measured in one go."""
+    pair = Pair(system, target, label)
     try:
-        # The same warm-up for every system (connections, caches, a JVM's compiled paths):
-        # servers run for long in production, and each is measured warm.
-        holder.send("uncontended", max(3, warmup))
-        holder.reply()
-        for queued in (QUEUED_S, 0):
-            handover_gaps(holder, waiter, max(1, warmup // 100), queued)
-        holder.send("uncontended", uncontended)
-        alone: list[float] = holder.reply()
-        gaps = {
-            queued: handover_gaps(holder, waiter, handovers, queued) for queued in (QUEUED_S, 0)
-        }
+        pair.warm(warmup)
+        pair.measure(uncontended, handovers)
     finally:
-        holder.stop()
-        waiter.stop()
-    ms = 1000.0
-    return SystemResult(
-        label or system,
-        percentile(alone, 0.5) * ms,
-        percentile(alone, 0.99) * ms,
-        percentile(gaps[QUEUED_S], 0.5) * ms,
-        percentile(gaps[QUEUED_S], 0.99) * ms,
-        len(alone),
-        len(gaps[QUEUED_S]),
-        percentile(gaps[0], 0.5) * ms,
-        percentile(gaps[0], 0.99) * ms,
-    )
+        pair.stop()
+    return pair.result()
+
+
+def measure_interleaved(
+    pairs: Sequence[Pair],
+    uncontended: int,
+    handovers: int,
+    blocks: int,
+    warmup: int,
+    say: Callable[[str], None],
+) -> None:
+    """Every system warmed up, then measured in ``blocks`` rounds, a share of each figure's
+    rounds per block, the systems' order rotating: a machine that is slower for a while
+    (another VM, the broker's JIT, a page-cache flush) weighs on all of them alike, not on
+    whichever was measured then."""
+    for pair in pairs:
+        say(f"... {pair.label}: warming up")
+        pair.warm(warmup)
+    for block in range(blocks):
+
+        def share(total: int, block: int = block) -> int:
+            return total // blocks + (1 if block < total % blocks else 0)
+
+        turn = block % len(pairs)
+        for pair in [*pairs[turn:], *pairs[:turn]]:
+            pair.measure(share(uncontended), share(handovers))
+        say(f"... block {block + 1}/{blocks} measured")
 
 
 def handover_gaps(holder: Worker, waiter: Worker, rounds: int, queued: float) -> list[float]:
@@ -638,8 +695,13 @@ def run(
     without_relay: bool = False,
     floor: dict[str, float] | None = None,
     warmup: int = 0,
+    blocks: int = 1,
 ) -> tuple[list[SystemResult], dict[str, str]]:
-    """Measure each system in turn; returns the results and the skipped peers' reasons.
+    """Measure the systems; returns the results and the skipped peers' reasons.
+
+    ``blocks`` > 1: every system's server and worker processes are up together and the
+    systems take turns, ``blocks`` times (see :func:`measure_interleaved`); 1: each system
+    is started, measured and stopped in turn.
 
     With the library, ``floor`` gets :func:`two_sends_p50_ms` (``pulsar_two_sends_p50_ms``),
     :func:`handover_floor_p50_ms` (``pulsar_handover_p50_ms``) and
@@ -651,55 +713,100 @@ def run(
     ``warmup``: acquire+release rounds (and a hundredth as many handovers of each kind) each
     system makes before it is measured.
     """
-    results: list[SystemResult] = []
     skipped: dict[str, str] = {}
-    for system in systems:
-        if system == "library":
-            broker = provide_broker(service_url, admin_url)
-            try:
-                variants: list[tuple[str, dict[str, Any]]] = [("library", {})]
-                variants += [
-                    (f"library idle_release_s={idle:g}", {"idle_release_s": idle})
-                    for idle in idle_release_s
-                ]
-                if without_relay:
-                    variants.append(("library relay_writes=False", {"relay_writes": False}))
-                for label, options in variants:
+    blocks = max(1, min(blocks, uncontended, handovers))
+    with contextlib.ExitStack() as servers:
+        # (system, target, label) of every system to measure, its server started.
+        entries: list[tuple[str, dict[str, Any], str]] = []
+        broker = None
+        for system in systems:
+            if system == "library":
+                broker = provide_broker(service_url, admin_url)
+                servers.callback(broker.stop)
+                for label, options in _library_variants(idle_release_s, without_relay):
                     target = {
                         "service_url": broker.service_url,
                         "admin_url": broker.admin_url,
                         "topic": f"persistent://public/default/lockbench-{uuid.uuid4().hex[:8]}",
                         "options": options,
                     }
-                    say(f"... {label} (Ownership)")
+                    entries.append((system, target, label))
+                continue
+            missing = zookeeper_missing() if system == "zookeeper" else etcd_missing()
+            if missing:
+                say(f"... {system}: SKIPPED: {missing}")
+                skipped[system] = missing
+                continue
+            if blocks > 1:  # else started when its turn comes, and stopped after
+                server = zookeeper_server() if system == "zookeeper" else etcd_server()
+                entries.append((system, servers.enter_context(server), system))
+            else:
+                entries.append((system, {}, system))
+        if blocks > 1:
+            results = _interleaved(entries, uncontended, handovers, blocks, warmup, say)
+        else:
+            results = []
+            for system, target, label in entries:
+                say(f"... {label}{' (Ownership)' if system == 'library' else ''}")
+                if system == "library":
                     results.append(measure(system, target, uncontended, handovers, label, warmup))
-                if floor is not None:
-                    say("... raw pulsar-client: two sequential sends (the floor)")
-                    floor["pulsar_two_sends_p50_ms"] = two_sends_p50_ms(
-                        broker.service_url, uncontended
-                    )
-                    say(
-                        f"... raw pulsar-client: a send after {QUEUED_S * 1000:g} ms idle, "
-                        "read by another process (the handover's floor)"
-                    )
-                    floor["pulsar_handover_p50_ms"] = handover_floor_p50_ms(
-                        broker.service_url, handovers, QUEUED_S
-                    )
-                    hot, after_idle = python_after_idle_us(handovers, QUEUED_S)
-                    floor["python_op_us"], floor["python_op_after_idle_us"] = hot, after_idle
-            finally:
-                broker.stop()
-            continue
-        missing = zookeeper_missing() if system == "zookeeper" else etcd_missing()
-        if missing:
-            say(f"... {system}: SKIPPED: {missing}")
-            skipped[system] = missing
-            continue
-        say(f"... {system}")
-        server = zookeeper_server() if system == "zookeeper" else etcd_server()
-        with server as target:
-            results.append(measure(system, target, uncontended, handovers, warmup=warmup))
+                    continue
+                server = zookeeper_server() if system == "zookeeper" else etcd_server()
+                with server as peer:
+                    results.append(measure(system, peer, uncontended, handovers, warmup=warmup))
+        if floor is not None and broker is not None:
+            _measure_floors(broker.service_url, uncontended, handovers, floor, say)
     return results, skipped
+
+
+def _library_variants(
+    idle_release_s: Sequence[float], without_relay: bool
+) -> list[tuple[str, dict[str, Any]]]:
+    variants: list[tuple[str, dict[str, Any]]] = [("library", {})]
+    variants += [
+        (f"library idle_release_s={idle:g}", {"idle_release_s": idle}) for idle in idle_release_s
+    ]
+    if without_relay:
+        variants.append(("library relay_writes=False", {"relay_writes": False}))
+    return variants
+
+
+def _interleaved(
+    entries: list[tuple[str, dict[str, Any], str]],
+    uncontended: int,
+    handovers: int,
+    blocks: int,
+    warmup: int,
+    say: Callable[[str], None],
+) -> list[SystemResult]:
+    pairs: list[Pair] = []
+    try:
+        for system, target, label in entries:
+            say(f"... {label}: starting its two worker processes")
+            pairs.append(Pair(system, target, label))
+        measure_interleaved(pairs, uncontended, handovers, blocks, warmup, say)
+    finally:
+        for pair in pairs:
+            pair.stop()
+    return [pair.result() for pair in pairs]
+
+
+def _measure_floors(
+    service_url: str,
+    uncontended: int,
+    handovers: int,
+    floor: dict[str, float],
+    say: Callable[[str], None],
+) -> None:
+    say("... raw pulsar-client: two sequential sends (the floor)")
+    floor["pulsar_two_sends_p50_ms"] = two_sends_p50_ms(service_url, uncontended)
+    say(
+        f"... raw pulsar-client: a send after {QUEUED_S * 1000:g} ms idle, "
+        "read by another process (the handover's floor)"
+    )
+    floor["pulsar_handover_p50_ms"] = handover_floor_p50_ms(service_url, handovers, QUEUED_S)
+    hot, after_idle = python_after_idle_us(handovers, QUEUED_S)
+    floor["python_op_us"], floor["python_op_after_idle_us"] = hot, after_idle
 
 
 def metrics(results: list[SystemResult], skipped: dict[str, str]) -> list[Metric]:
@@ -785,6 +892,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run the library with relay_writes=False",
     )
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=10,
+        help="measure the systems in turns, this many (all servers up together, the order "
+        "rotating), so that a slower spell of the machine weighs on all alike; 1: one "
+        "system after the other (default: 10)",
+    )
     parser.add_argument("--pulsar-url", default=os.environ.get("PULSAR_SERVICE_URL"))
     parser.add_argument("--pulsar-admin-url", default=os.environ.get("PULSAR_ADMIN_URL"))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results.json"))
@@ -805,6 +920,7 @@ def main(argv: list[str] | None = None) -> int:
         without_relay=args.without_relay,
         floor=floor,
         warmup=warmup,
+        blocks=args.blocks,
     )
     print(side_by_side(results))
     for name, value in floor.items():
@@ -820,6 +936,7 @@ def main(argv: list[str] | None = None) -> int:
     document["locks"] = {
         "mode": "quick" if args.quick else "full",
         "warmup_rounds": warmup,
+        "blocks": max(1, min(args.blocks, uncontended, handovers)),
         # Other work on this machine's 2 cores shows in the tails: record how busy it was.
         "environment": {**environment(), "load_average_1m": os.getloadavg()[0]},
         "systems": [asdict(r) for r in results],

@@ -13,7 +13,9 @@ from pulsar_state.testing import Broker
 
 
 @pytest.mark.slow
-def test_library_rounds_through_the_cli(broker: Broker, tmp_path: Path) -> None:
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_library_rounds_through_the_cli(broker: Broker, tmp_path: Path, blocks: int) -> None:
+    # blocks 1: one system after another; 2: in turns (the rounds split between the blocks).
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"mode": "quick", "metrics": ["kept"]}))
     code = locks.main(
@@ -30,11 +32,14 @@ def test_library_rounds_through_the_cli(broker: Broker, tmp_path: Path) -> None:
             broker.admin_url,
             "--out",
             str(out),
+            "--blocks",
+            str(blocks),
         ]
     )
     assert code == 0
     document = json.loads(out.read_text())
     assert document["metrics"] == ["kept"]  # run.py's section is left alone
+    assert document["locks"]["blocks"] == blocks
     [library] = document["locks"]["systems"]
     assert library["system"] == "library"
     assert library["uncontended_rounds"] == 5
