@@ -738,8 +738,7 @@ def run(
                 skipped[system] = missing
                 continue
             if blocks > 1:  # else started when its turn comes, and stopped after
-                server = zookeeper_server() if system == "zookeeper" else etcd_server()
-                entries.append((system, servers.enter_context(server), system))
+                entries.append((system, servers.enter_context(peer_server(system)), system))
             else:
                 entries.append((system, {}, system))
         if blocks > 1:
@@ -751,12 +750,16 @@ def run(
                 if system == "library":
                     results.append(measure(system, target, uncontended, handovers, label, warmup))
                     continue
-                server = zookeeper_server() if system == "zookeeper" else etcd_server()
-                with server as peer:
+                with peer_server(system) as peer:
                     results.append(measure(system, peer, uncontended, handovers, warmup=warmup))
         if floor is not None and broker is not None:
             _measure_floors(broker.service_url, uncontended, handovers, floor, say)
     return results, skipped
+
+
+def peer_server(system: str) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """The peer's server, started on entry (its target for the workers), stopped on exit."""
+    return zookeeper_server() if system == "zookeeper" else etcd_server()
 
 
 def _library_variants(

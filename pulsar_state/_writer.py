@@ -106,8 +106,6 @@ class _Issued:
     sends: list[Awaitable[LogPosition]]
     unchanged: list[PendingWrite]
     failure: Exception | None = None
-    # Taken by the serve loop, which finishes it; else its acknowledgement does.
-    claimed: bool = False
 
 
 class ReadSide(Protocol):
@@ -260,8 +258,7 @@ class Writer:
         # loop sent itself would be): its caller learns the outcome from the acknowledgement.
         while self._issued is not None or (not self._context.closed and self._replica.halt is None):
             if self._issued is not None:
-                issued, self._issued = self._issued, None
-                issued.claimed = True
+                issued, self._issued = self._issued, None  # taken: the ack leaves it alone
                 await self._finish_issued(issued)
                 self._after_batch()
                 continue
@@ -962,7 +959,7 @@ class Writer:
         (the serve loop woken meanwhile or its wait ended, a failed send, a record the pump
         must read first, a halt, closing, writes left queued, an unasked turn falling due)
         is the serve loop's: it is woken and finishes the batch as any other."""
-        if issued.claimed or self._issued is not issued:
+        if self._issued is not issued:
             return  # the serve loop took it first (woken meanwhile) and finishes it
         replica, wake, pending = self._replica, self._pending.wake, self._pending
         (outgoing,), (send,) = issued.records, issued.sends
