@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import select
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,9 +18,9 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
-from pulsar_state import ConfigurationError, OperationTimeoutError
+from pulsar_state import ClosedError, ConfigurationError, OperationTimeoutError
 from recipes import SyncMembership
-from recipes.spark import QueryLeader, QueryRunningError, join_membership
+from recipes.spark import QueryLeader, QueryRunningError, close_maps, join_membership
 from tests.spark.conftest import SPARK_MARKS, WAIT_S, map_options
 
 pytestmark = SPARK_MARKS
@@ -281,3 +284,55 @@ def test_join_membership_bad_input(service_url: str, admin_url: str, topic: str)
     # Nothing was cached by the refused calls: a good one joins.
     group = join_membership(service_url, topic, admin_url=admin_url, ttl=30.0, **map_options())
     assert group.members() == [group.name]
+
+
+def test_a_forked_child_joins_as_itself_and_the_parent_stays_a_member(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # PySpark's daemon forks Python workers from a process that may have joined already: the
+    # child must join as a member of its own (the parent's client cannot cross a fork), and
+    # neither its joining nor its closing at exit may touch the parent's membership.
+    ttl = 5.0
+    options = {"admin_url": admin_url, "ttl": ttl, **map_options()}
+    parent = join_membership(service_url, topic, **options)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        code = 1
+        try:
+            os.close(read_end)
+            report: dict[str, object] = {}
+            try:
+                parent.members()
+            except ClosedError as exc:
+                report["inherited"] = str(exc)
+            child = join_membership(service_url, topic, **options)
+            report["name"] = child.name
+            report["members"] = child.members()
+            close_maps()  # what the interpreter's exit runs (atexit)
+            os.write(write_end, json.dumps(report).encode())
+            code = 0
+        except BaseException as exc:
+            os.write(write_end, json.dumps({"error": repr(exc)}).encode())
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    try:
+        poller = select.poll()  # not select(): descriptors can be above 1024 in a long session
+        poller.register(read_end, select.POLLIN)
+        if not poller.poll(WAIT_S * 1000):
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"the forked child gave no answer in {WAIT_S}s")
+        report = json.loads(os.read(read_end, 65536) or b"{}")
+    finally:
+        os.close(read_end)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, report
+    assert "fork" in str(report.get("inherited")), report
+    assert report["name"] != parent.name
+    assert report["members"] == sorted([parent.name, report["name"]])
+    # The child left as it closed; the parent, renewing all along, outlives its own TTL.
+    assert parent.members() == [parent.name]
+    time.sleep(ttl * 1.2)
+    assert parent.members() == [parent.name]
+    assert join_membership(service_url, topic, **options) is parent
