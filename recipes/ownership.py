@@ -76,6 +76,12 @@ _REAP_JITTER_S = 0.1
 # Re-check at least this often even without news (a backstop; the listener wakes it).
 _REAP_IDLE_S = 5.0
 _TAKEOVER_AFTER_S = 1.0
+# With the write relay, how long an idle process keeps the topic's writer after its last
+# write (the core's default is 0.1 s). Others' writes reach it through the relay (one hop,
+# cheaper than taking the writer), and a lock taken again within this time is one send:
+# taking the writer back makes the broker persist a new producer epoch (a lock taken after
+# 1 s idle: 8.6 ms p50 with 0.1 s, 3.9 ms with 5 s, against ZooKeeper's 3.9 and etcd's 3.2).
+_IDLE_RELEASE_WITH_RELAY_S = 5.0
 
 Subscriber = Callable[[list[LeaseEvent], LeaseTable], None]
 
@@ -109,6 +115,12 @@ class Ownership:
             ``takeover_after_s`` defaults to 1 s here (the core's default never takes over):
             a process frozen while it holds the topic's writer is fenced off after 1 s, so
             leases keep being renewed, expired and granted. Keep TTLs well above it.
+            ``idle_release_s`` defaults to 5 s here with the write relay (the core's default
+            is 0.1 s): an idle process keeps the topic's writer that long after its last
+            write, so its next acquire, renewal or release within it is one send; others'
+            writes come through it meanwhile. A process with ``relay_writes=False`` can only
+            poll for the writer, up to that long: on a table shared with such processes,
+            give every process ``idle_release_s=0.1``.
     """
 
     def __init__(
@@ -135,6 +147,9 @@ class Ownership:
         # must not stop everyone else from renewing, expiring and granting: take the
         # writer over (fencing it; the core refuses its stale records) after a short wait.
         manager_options.setdefault("takeover_after_s", _TAKEOVER_AFTER_S)
+        if manager_options.get("relay_writes", True):
+            # Without the relay others can only poll for the writer: the core's short hold.
+            manager_options.setdefault("idle_release_s", _IDLE_RELEASE_WITH_RELAY_S)
         self._manager: SharedStateManager[LeaseTable, Any] = SharedStateManager(
             pulsar,
             topic,

@@ -449,3 +449,25 @@ async def test_only_a_release_that_frees_a_waiter_is_prepared_for(
         await a.release(read_a)
         await c.release(read_c)
         await b.release(await asyncio.wait_for(writer_wants_r, 30))
+
+
+async def test_a_lock_taken_again_after_an_idle_spell_keeps_the_topic_writer(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # With the write relay, an idle process keeps the writer for seconds (not the core's
+    # 0.1 s), so a lock taken now and then is one send, not a new producer epoch each time.
+    # Without the relay (others could only poll), or when set, the setting is the caller's.
+    async with (
+        owners(service_url, topic, admin_url, owner="a") as a,
+        owners(service_url, f"{topic}-norelay", admin_url, relay_writes=False) as polled,
+        owners(service_url, f"{topic}-set", admin_url, idle_release_s=0.1) as chosen,
+    ):
+        for table in (a, polled, chosen):
+            await table.release(await table.acquire("x", keep_alive=False))
+        await asyncio.sleep(0.5)
+        for table in (a, polled, chosen):
+            await table.release(await table.acquire("x", keep_alive=False))
+        assert a.manager.stats.writer_acquisitions == 1
+        assert a.manager.stats.writer_releases == 0
+        assert polled.manager.stats.writer_acquisitions == 2
+        assert chosen.manager.stats.writer_acquisitions == 2
