@@ -15,6 +15,10 @@ Two figures per system, each from separate OS processes on this machine:
 * **handover at once**: the same, but A releases as soon as it sees B's request: the
   release races B's own registration still settling, a harder case than a lock that was
   waited for (for the library without the write relay: B giving the topic's writer back).
+* **acquire + release after idle** (``--after-idle`` rounds): as the first figure, one round
+  at a time, each after 0.5-1.5 s (``IDLE_S``, drawn uniformly, seeded) in which nothing
+  runs: a lock taken now and then, as most are (caches cold, the library's writer given up
+  or not). Drawn, not fixed, so that no system's own timers line up with the rounds.
 
 The systems:
 
@@ -46,6 +50,7 @@ import http.client
 import json
 import multiprocessing
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -75,6 +80,8 @@ _REPLY_TIMEOUT_S = 120.0
 _START_TIMEOUT_S = 60.0
 # How long the waiter has queued before the holder releases, in the handover figure.
 QUEUED_S = 0.05
+# How long nothing runs before each round of the after-idle figure: drawn from this range.
+IDLE_S = (0.5, 1.5)
 
 
 def now() -> float:
@@ -326,6 +333,8 @@ class SystemResult:
     handover_rounds: int
     handover_at_once_p50_ms: float = 0.0
     handover_at_once_p99_ms: float = 0.0
+    after_idle_p50_ms: float = 0.0
+    after_idle_rounds: int = 0
 
 
 class Pair:
@@ -341,6 +350,8 @@ class Pair:
             raise
         self.alone: list[float] = []
         self.gaps: dict[float, list[float]] = {QUEUED_S: [], 0: []}
+        self.after_idle: list[float] = []
+        self._idle_draws = random.Random(f"after-idle {self.label}")
 
     def warm(self, warmup: int) -> None:
         # The same warm-up for every system (connections, caches, a JVM's compiled paths):
@@ -350,11 +361,16 @@ class Pair:
         for queued in (QUEUED_S, 0):
             handover_gaps(self.holder, self.waiter, max(1, warmup // 100), queued)
 
-    def measure(self, uncontended: int, handovers: int) -> None:
+    def measure(self, uncontended: int, handovers: int, after_idle: int = 0) -> None:
         self.holder.send("uncontended", uncontended)
         self.alone += self.holder.reply()
         for queued in (QUEUED_S, 0):
             self.gaps[queued] += handover_gaps(self.holder, self.waiter, handovers, queued)
+        for _ in range(after_idle):
+            # Nothing else runs meanwhile: the coordinator waits here.
+            time.sleep(self._idle_draws.uniform(*IDLE_S))
+            self.holder.send("uncontended", 1)
+            self.after_idle += self.holder.reply()
 
     def stop(self) -> None:
         self.holder.stop()
@@ -362,7 +378,7 @@ class Pair:
 
     def result(self) -> SystemResult:
         ms = 1000.0
-        alone, gaps = self.alone, self.gaps
+        alone, gaps, after_idle = self.alone, self.gaps, self.after_idle
         return SystemResult(
             self.label,
             percentile(alone, 0.5) * ms,
@@ -373,6 +389,8 @@ class Pair:
             len(gaps[QUEUED_S]),
             percentile(gaps[0], 0.5) * ms,
             percentile(gaps[0], 0.99) * ms,
+            percentile(after_idle, 0.5) * ms if after_idle else 0.0,
+            len(after_idle),
         )
 
 
@@ -383,12 +401,13 @@ def measure(
     handovers: int,
     label: str = "",
     warmup: int = 0,
+    after_idle: int = 0,
 ) -> SystemResult:
     """One system alone: warmed up, then measured in one go."""
     pair = Pair(system, target, label)
     try:
         pair.warm(warmup)
-        pair.measure(uncontended, handovers)
+        pair.measure(uncontended, handovers, after_idle)
     finally:
         pair.stop()
     return pair.result()
@@ -401,6 +420,7 @@ def measure_interleaved(
     blocks: int,
     warmup: int,
     say: Callable[[str], None],
+    after_idle: int = 0,
 ) -> None:
     """Every system warmed up, then measured in ``blocks`` rounds, a share of each figure's
     rounds per block, the systems' order rotating: a machine that is slower for a while
@@ -416,7 +436,7 @@ def measure_interleaved(
 
         turn = block % len(pairs)
         for pair in [*pairs[turn:], *pairs[:turn]]:
-            pair.measure(share(uncontended), share(handovers))
+            pair.measure(share(uncontended), share(handovers), share(after_idle))
         say(f"... block {block + 1}/{blocks} measured")
 
 
@@ -696,6 +716,7 @@ def run(
     floor: dict[str, float] | None = None,
     warmup: int = 0,
     blocks: int = 1,
+    after_idle: int = 0,
 ) -> tuple[list[SystemResult], dict[str, str]]:
     """Measure the systems; returns the results and the skipped peers' reasons.
 
@@ -711,7 +732,8 @@ def run(
     process keeps the topic's writer after its last write), labelled with it;
     ``without_relay`` one with ``relay_writes=False`` (every write takes the writer itself).
     ``warmup``: acquire+release rounds (and a hundredth as many handovers of each kind) each
-    system makes before it is measured.
+    system makes before it is measured. ``after_idle``: rounds of acquire+release each after
+    0.5-1.5 s of nothing (``IDLE_S``), per system.
     """
     skipped: dict[str, str] = {}
     blocks = max(1, min(blocks, uncontended, handovers))
@@ -742,16 +764,27 @@ def run(
             else:
                 entries.append((system, {}, system))
         if blocks > 1:
-            results = _interleaved(entries, uncontended, handovers, blocks, warmup, say)
+            results = _interleaved(entries, uncontended, handovers, blocks, warmup, say, after_idle)
         else:
             results = []
             for system, target, label in entries:
                 say(f"... {label}{' (Ownership)' if system == 'library' else ''}")
                 if system == "library":
-                    results.append(measure(system, target, uncontended, handovers, label, warmup))
+                    results.append(
+                        measure(system, target, uncontended, handovers, label, warmup, after_idle)
+                    )
                     continue
                 with peer_server(system) as peer:
-                    results.append(measure(system, peer, uncontended, handovers, warmup=warmup))
+                    results.append(
+                        measure(
+                            system,
+                            peer,
+                            uncontended,
+                            handovers,
+                            warmup=warmup,
+                            after_idle=after_idle,
+                        )
+                    )
         if floor is not None and broker is not None:
             _measure_floors(broker.service_url, uncontended, handovers, floor, say)
     return results, skipped
@@ -781,13 +814,14 @@ def _interleaved(
     blocks: int,
     warmup: int,
     say: Callable[[str], None],
+    after_idle: int = 0,
 ) -> list[SystemResult]:
     pairs: list[Pair] = []
     try:
         for system, target, label in entries:
             say(f"... {label}: starting its two worker processes")
             pairs.append(Pair(system, target, label))
-        measure_interleaved(pairs, uncontended, handovers, blocks, warmup, say)
+        measure_interleaved(pairs, uncontended, handovers, blocks, warmup, say, after_idle)
     finally:
         for pair in pairs:
             pair.stop()
@@ -820,14 +854,17 @@ def metrics(results: list[SystemResult], skipped: dict[str, str]) -> list[Metric
     if library is None:
         return []
     out = []
-    for field_name, label in (
+    figures = [
         ("uncontended_p50_ms", "lock acquire+release uncontended p50"),
         ("uncontended_p99_ms", "lock acquire+release uncontended p99"),
         ("handover_p50_ms", "lock handover to a waiting process p50"),
         ("handover_p99_ms", "lock handover to a waiting process p99"),
         ("handover_at_once_p50_ms", "lock handover, released as the waiter queues, p50"),
         ("handover_at_once_p99_ms", "lock handover, released as the waiter queues, p99"),
-    ):
+    ]
+    if library.after_idle_rounds:
+        figures.append(("after_idle_p50_ms", "lock acquire+release after 0.5-1.5 s idle p50"))
+    for field_name, label in figures:
         mine = float(getattr(library, field_name))
         details: dict[str, Any] = {r.system: getattr(r, field_name) for r in results}
         details["load average"] = os.getloadavg()[0]
@@ -859,14 +896,15 @@ def side_by_side(results: list[SystemResult]) -> str:
     lines = [
         f"{'system':<{width}} {'acq+rel p50':>12} {'acq+rel p99':>12} "
         f"{'handover p50':>13} {'handover p99':>13} {'at once p50':>12} {'at once p99':>12}"
-        "  rounds (alone/handover)"
+        f" {'after idle p50':>14}  rounds (alone/handover/after idle)"
     ]
     for r in results:
         lines.append(
             f"{r.system:<{width}} {r.uncontended_p50_ms:>9.2f} ms {r.uncontended_p99_ms:>9.2f} ms "
             f"{r.handover_p50_ms:>10.2f} ms {r.handover_p99_ms:>10.2f} ms "
-            f"{r.handover_at_once_p50_ms:>9.2f} ms {r.handover_at_once_p99_ms:>9.2f} ms  "
-            f"{r.uncontended_rounds}/{r.handover_rounds}"
+            f"{r.handover_at_once_p50_ms:>9.2f} ms {r.handover_at_once_p99_ms:>9.2f} ms "
+            f"{r.after_idle_p50_ms:>11.2f} ms  "
+            f"{r.uncontended_rounds}/{r.handover_rounds}/{r.after_idle_rounds}"
         )
     return "\n".join(lines)
 
@@ -877,6 +915,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=SYSTEMS)
     parser.add_argument("--uncontended", type=int, help="acquire+release rounds per system")
     parser.add_argument("--handovers", type=int, help="handover rounds per system")
+    parser.add_argument(
+        "--after-idle",
+        type=int,
+        help="acquire+release rounds per system, each after 0.5-1.5 s idle (default 20; "
+        "--quick: 4)",
+    )
     parser.add_argument(
         "--warmup",
         type=int,
@@ -909,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     uncontended = args.uncontended or (100 if args.quick else 500)
     handovers = args.handovers or (30 if args.quick else 200)
+    after_idle = (4 if args.quick else 20) if args.after_idle is None else args.after_idle
     warmup = 4 * uncontended if args.warmup is None else args.warmup
     systems = args.only or list(SYSTEMS)
     floor: dict[str, float] = {}
@@ -924,6 +969,7 @@ def main(argv: list[str] | None = None) -> int:
         floor=floor,
         warmup=warmup,
         blocks=args.blocks,
+        after_idle=after_idle,
     )
     print(side_by_side(results))
     for name, value in floor.items():

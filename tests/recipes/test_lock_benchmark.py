@@ -34,6 +34,8 @@ def test_library_rounds_through_the_cli(broker: Broker, tmp_path: Path, blocks: 
             str(out),
             "--blocks",
             str(blocks),
+            "--after-idle",
+            "2",
         ]
     )
     assert code == 0
@@ -48,6 +50,9 @@ def test_library_rounds_through_the_cli(broker: Broker, tmp_path: Path, blocks: 
     # and it includes at least the release record's round trip.
     assert 0 < library["handover_p50_ms"] <= library["handover_p99_ms"]
     assert 0 < library["uncontended_p50_ms"] <= library["uncontended_p99_ms"]
+    # Each round after 0.5-1.5 s of nothing (a lock taken now and then).
+    assert library["after_idle_rounds"] == 2
+    assert library["after_idle_p50_ms"] > 0
     # The raw client's floors, measured in the same run on the same broker.
     floor = document["locks"]["floor"]
     assert set(floor) == {
@@ -58,9 +63,9 @@ def test_library_rounds_through_the_cli(broker: Broker, tmp_path: Path, blocks: 
     }
     assert all(value > 0 for value in floor.values())
     # No peer measured: the metrics say so instead of claiming the target.
-    assert all(
-        not m["met"] and m["note"] == "no peer measured" for m in document["locks"]["metrics"]
-    )
+    found = document["locks"]["metrics"]
+    assert all(not m["met"] and m["note"] == "no peer measured" for m in found)
+    assert found[-1]["name"] == "lock acquire+release after 0.5-1.5 s idle p50"
 
 
 def result(system: str, p50: float) -> locks.SystemResult:
@@ -78,6 +83,7 @@ def test_metrics_compare_with_the_faster_peer() -> None:
     assert uncontended.note == "baseline: the faster peer (zookeeper)"
     assert not uncontended.met
     assert uncontended.details["etcd"] == 4.0
+    assert len(found) == 6  # no after-idle rounds measured: no such figure
 
 
 def test_metrics_with_a_skipped_peer_and_library_variants() -> None:
