@@ -22,6 +22,7 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class Settings:
     idle_release_s: float
+    relay_idle_release_s: float | None
     max_hold_s: float
     acquire_timeout_s: float
     takeover_after_s: float | None
@@ -90,6 +91,7 @@ class Tunables:
 
     _settings: Settings
     idle_release_s: Setting[float] = Setting()
+    relay_idle_release_s: Setting[float | None] = Setting()
     max_hold_s: Setting[float] = Setting()
     acquire_timeout_s: Setting[float] = Setting()
     takeover_after_s: Setting[float | None] = Setting()

@@ -107,6 +107,12 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             raises :class:`ReplicaHaltedError` from then on; ``"skip"`` logs, counts and skips.
         check_topic: refuse partitioned topics and topics whose policies lose history.
         idle_release_s: release the exclusive writer after this long without writes.
+        relay_idle_release_s: instead, while this process's write relay is up, release it
+            after this long (None: ``idle_release_s``). Others' writes reach the holder
+            through the relay meanwhile, so holding longer costs them nothing, and this
+            process's next write within it skips taking the writer again (a new producer
+            epoch the broker persists: 4-5 ms here). A process frozen or cut off while it
+            holds the writer stalls others' writes until it resumes or ``takeover_after_s``.
         max_hold_s: release the writer after holding it this long while others may wait
             (with the relay: when another process asks; unasked, for processes without it,
             after 10 x max_hold_s at a moment no write is queued, and after 20 x, at most
@@ -176,6 +182,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         on_corrupt: OnCorrupt = "halt",
         check_topic: bool = True,
         idle_release_s: float = 0.1,
+        relay_idle_release_s: float | None = None,
         max_hold_s: float = 1.0,
         acquire_timeout_s: float = 30.0,
         takeover_after_s: float | None = None,
@@ -230,6 +237,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         self._tail = Tail(self.topic, self._admin)
         self._settings = Settings(
             idle_release_s=idle_release_s,
+            relay_idle_release_s=relay_idle_release_s,
             max_hold_s=max_hold_s,
             acquire_timeout_s=acquire_timeout_s,
             takeover_after_s=takeover_after_s,

@@ -71,7 +71,8 @@ _AHEAD_BUDGET_S = 1.0
 # A relayed record is settled in milliseconds when a process holds the writer; one not seen
 # after this long probably reached nobody, so the writer is taken instead.
 _RELAY_PATIENCE_S = 0.05
-# A holder releases the writer idle_release_s after its latest append (its own record or a
+# A holder releases the writer idle_release_s (relay_idle_release_s with its relay up) after
+# its latest append (its own record or a
 # relayed one), which others read a few milliseconds after it was made: until this share of
 # idle_release_s has passed since they read it, the holder is taken to hold the writer still.
 # (At one half, a lock released 50 ms after its waiter's request was read first tried to take
@@ -295,7 +296,7 @@ class Writer:
                     self._release_when_idle = False
                     await self.release()
                     continue
-                idle = self._settings.idle_release_s
+                idle = self._idle_release()
                 unasked_turn = False
                 if self._turn_requested:
                     # Asked for a turn while idle: give it once max_hold_s has passed.
@@ -499,6 +500,18 @@ class Writer:
     def _relay_up(self) -> bool:
         return self._relay is not None and self._relay.ready
 
+    def _held_idle_by_relaying(self) -> float:
+        """How long a holder whose relay is up keeps the writer after its last append."""
+        settings = self._settings
+        relayed = settings.relay_idle_release_s
+        return settings.idle_release_s if relayed is None else relayed
+
+    def _idle_release(self) -> float:
+        """How long this process keeps the writer after its last append: longer with the
+        relay up when ``relay_idle_release_s`` says so (others' writes come through it), the
+        plain ``idle_release_s`` without (others can only wait for the writer)."""
+        return self._held_idle_by_relaying() if self._relay_up() else self._settings.idle_release_s
+
     def _request_turn(self) -> None:
         """Ask the holder (through the relay, if up) for a turn, in the background; at most
         once per max_hold_s."""
@@ -525,8 +538,9 @@ class Writer:
 
     def _holder_likely(self) -> bool:
         """Whether another process probably holds the writer and the relay reaches it: its
-        record, or a relayed one of ours, was read within most of ``idle_release_s`` (taken to
-        be the holder's too), and no holder said it let go since."""
+        record, or a relayed one of ours, was read within most of the time a holder with its
+        relay up keeps the writer idle (``relay_idle_release_s``, else ``idle_release_s``;
+        our settings taken to be the holder's too), and no holder said it let go since."""
         if not self._relay_open():
             return False
         now = time.monotonic()
@@ -534,8 +548,8 @@ class Writer:
         # or before it took the writer: they say nothing of a holder now.
         foreign = self._replica.foreign_at
         seen = max(foreign if foreign > self._released_at else float("-inf"), self._relay_landed_at)
-        # Not all of idle_release_s: the holder's countdown started before we read its record.
-        likely_for = self._settings.idle_release_s * _HOLDER_LIKELY_SHARE
+        # Not all of it: the holder's countdown started before we read its record.
+        likely_for = self._held_idle_by_relaying() * _HOLDER_LIKELY_SHARE
         since = max(self._started_at, self._holder_released_at)  # a holder said it let go
         return seen > since and now - seen < likely_for
 
@@ -967,7 +981,7 @@ class Writer:
         idle_wait = self._idle_wait
         try:
             loop = asyncio.get_running_loop()
-            idle_until = loop.time() + self._settings.idle_release_s
+            idle_until = loop.time() + self._idle_release()
             # In a plain idle wait, the serve loop would wait idle_release_s from now, unless
             # the unasked turn comes first (then it works its wait out again); in the wait
             # for the unasked turn, that comes first still.

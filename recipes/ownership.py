@@ -76,11 +76,13 @@ _REAP_JITTER_S = 0.1
 # Re-check at least this often even without news (a backstop; the listener wakes it).
 _REAP_IDLE_S = 5.0
 _TAKEOVER_AFTER_S = 1.0
-# With the write relay, how long an idle process keeps the topic's writer after its last
-# write (the core's default is 0.1 s). Others' writes reach it through the relay (one hop,
-# cheaper than taking the writer), and a lock taken again within this time is one send:
-# taking the writer back makes the broker persist a new producer epoch (a lock taken after
-# 1 s idle: 8.6 ms p50 with 0.1 s, 3.9 ms with 5 s, against ZooKeeper's 3.9 and etcd's 3.2).
+# While the write relay is up, how long an idle process keeps the topic's writer after its
+# last write (relay_idle_release_s; the core's idle_release_s is 0.1 s). Others' writes
+# reach it through the relay (one hop, cheaper than taking the writer), and a lock taken
+# again within this time is one send: taking the writer back makes the broker persist a new
+# producer epoch (a lock taken after 1 s idle: 8.6 ms p50 with 0.1 s, 3.9 ms with 5 s,
+# against ZooKeeper's 3.9 and etcd's 3.2). Longer than a renewal's ttl / 3 (10 s TTL): a
+# holder renewing keeps the writer, and the others relay their renewals to it.
 _IDLE_RELEASE_WITH_RELAY_S = 5.0
 
 Subscriber = Callable[[list[LeaseEvent], LeaseTable], None]
@@ -115,12 +117,16 @@ class Ownership:
             ``takeover_after_s`` defaults to 1 s here (the core's default never takes over):
             a process frozen while it holds the topic's writer is fenced off after 1 s, so
             leases keep being renewed, expired and granted. Keep TTLs well above it.
-            ``idle_release_s`` defaults to 5 s here with the write relay (the core's default
-            is 0.1 s): an idle process keeps the topic's writer that long after its last
-            write, so its next acquire, renewal or release within it is one send; others'
-            writes come through it meanwhile. A process with ``relay_writes=False`` can only
-            poll for the writer, up to that long: on a table shared with such processes,
-            give every process ``idle_release_s=0.1``.
+            ``relay_idle_release_s`` defaults to 5 s here (unless ``idle_release_s`` is
+            given): while its write relay is up, an idle process keeps the topic's writer
+            that long after its last write (else the core's ``idle_release_s``, 0.1 s), so
+            its next acquire, renewal or release within it is one send; others' writes come
+            through it meanwhile. One cost: a process frozen or cut off then stalls others'
+            writes until it resumes or is fenced (``takeover_after_s``), where it used to
+            have let the writer go. A process with ``relay_writes=False`` (or an older
+            pulsar-state without the relay) polls for the writer and fences an idle holder
+            after ``takeover_after_s``: on a table shared with such processes, give every
+            process ``relay_idle_release_s=0.1``.
     """
 
     def __init__(
@@ -147,9 +153,10 @@ class Ownership:
         # must not stop everyone else from renewing, expiring and granting: take the
         # writer over (fencing it; the core refuses its stale records) after a short wait.
         manager_options.setdefault("takeover_after_s", _TAKEOVER_AFTER_S)
-        if manager_options.get("relay_writes", True):
-            # Without the relay others can only poll for the writer: the core's short hold.
-            manager_options.setdefault("idle_release_s", _IDLE_RELEASE_WITH_RELAY_S)
+        if "idle_release_s" not in manager_options:
+            # Only while the relay is up (others' writes come through the holder); without
+            # it others can only poll for the writer, and the core's short hold applies.
+            manager_options.setdefault("relay_idle_release_s", _IDLE_RELEASE_WITH_RELAY_S)
         self._manager: SharedStateManager[LeaseTable, Any] = SharedStateManager(
             pulsar,
             topic,

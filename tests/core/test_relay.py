@@ -630,3 +630,50 @@ async def test_a_relayed_record_seen_after_a_notice_is_no_sign_of_a_holder(
         await other.write(tagged("other"))
         assert other.stats.records_relayed == 1
         assert writer._relay_landed_at == float("-inf")
+
+
+async def test_relay_idle_release_s_keeps_the_writer_only_while_the_relay_is_up(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Holding the writer longer while idle costs others nothing only when their writes can
+    # come through the holder: without the relay (switched off, or down: it may fail to
+    # open or close), the plain idle_release_s applies, or a poller would wait it out.
+    longer = {"relay_idle_release_s": 5.0}
+    async with (
+        counter_manager(service_url, topic, admin_url, **longer) as relayed,
+        counter_manager(
+            service_url, f"{topic}-off", admin_url, relay_writes=False, **longer
+        ) as off,
+        counter_manager(service_url, f"{topic}-down", admin_url, **longer) as down,
+    ):
+        await until(lambda: relay_ready(relayed) and relay_ready(down), "the relays open")
+        await relay_of(down).close()  # down from now on, as after a failed open
+        for manager in (relayed, off, down):
+            await manager.write(tagged("first"))
+        await asyncio.sleep(0.5)  # past idle_release_s (0.1 s), within 5 s
+        for manager in (relayed, off, down):
+            await manager.write(tagged("second"))
+        assert (relayed.stats.writer_acquisitions, relayed.stats.writer_releases) == (1, 0)
+        assert off.stats.writer_acquisitions == 2
+        assert down.stats.writer_acquisitions == 2
+
+
+async def test_a_holder_keeping_the_writer_longer_with_its_relay_is_relayed_to_meanwhile(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # With relay_idle_release_s (5 s) the holder keeps the writer well past idle_release_s
+    # (0.1 s): a process that read its record 0.5 s ago relays at once instead of first
+    # trying to take the writer (a refusal, 1-4 ms).
+    longer = {"relay_idle_release_s": 5.0, "max_hold_s": 3600.0}
+    async with holder_and_sender(
+        service_url, admin_url, topic, holder=longer, sender={"relay_idle_release_s": 5.0}
+    ) as (holder, other):
+        await holder.write(tagged("holder"))
+        await other.read(lambda state: state, latest=True)
+        attempts = count_acquisitions(other)
+        await asyncio.sleep(0.5)
+        await other.write(tagged("other"))
+        assert attempts[0] == 0
+        assert other.stats.records_relayed == 1
+        assert holder.stats.writer_releases == 0
+        assert (await seen_by(holder)) == {"holder": 2, "other": 1}
