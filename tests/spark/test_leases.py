@@ -4,11 +4,8 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import select
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +19,7 @@ from pulsar_state import ClosedError, ConfigurationError, OperationTimeoutError
 from recipes import SyncMembership
 from recipes.spark import QueryLeader, QueryRunningError, close_maps, join_membership
 from tests.spark.conftest import SPARK_MARKS, WAIT_S, map_options
+from tests.spark.forking import in_forked_child
 
 pytestmark = SPARK_MARKS
 
@@ -295,39 +293,20 @@ def test_a_forked_child_joins_as_itself_and_the_parent_stays_a_member(
     ttl = 5.0
     options = {"admin_url": admin_url, "ttl": ttl, **map_options()}
     parent = join_membership(service_url, topic, **options)
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report through the pipe, never return into pytest
-        code = 1
+
+    def child() -> dict[str, object]:
+        report: dict[str, object] = {}
         try:
-            os.close(read_end)
-            report: dict[str, object] = {}
-            try:
-                parent.members()
-            except ClosedError as exc:
-                report["inherited"] = str(exc)
-            child = join_membership(service_url, topic, **options)
-            report["name"] = child.name
-            report["members"] = child.members()
-            close_maps()  # what the interpreter's exit runs (atexit)
-            os.write(write_end, json.dumps(report).encode())
-            code = 0
-        except BaseException as exc:
-            os.write(write_end, json.dumps({"error": repr(exc)}).encode())
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    try:
-        poller = select.poll()  # not select(): descriptors can be above 1024 in a long session
-        poller.register(read_end, select.POLLIN)
-        if not poller.poll(WAIT_S * 1000):
-            os.kill(pid, signal.SIGKILL)
-            pytest.fail(f"the forked child gave no answer in {WAIT_S}s")
-        report = json.loads(os.read(read_end, 65536) or b"{}")
-    finally:
-        os.close(read_end)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, report
+            parent.members()
+        except ClosedError as exc:
+            report["inherited"] = str(exc)
+        joined = join_membership(service_url, topic, **options)
+        report["name"] = joined.name
+        report["members"] = joined.members()
+        close_maps()  # what the interpreter's exit runs (atexit)
+        return report
+
+    _, report = in_forked_child(child)
     assert "fork" in str(report.get("inherited")), report
     assert report["name"] != parent.name
     assert report["members"] == sorted([parent.name, report["name"]])

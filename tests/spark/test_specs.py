@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pickle
-import select
-import signal
 import threading
 import time
 from typing import Any
@@ -27,7 +24,8 @@ from pulsar_state import (
 from recipes.spark import MapSpec, close_maps, get_map
 from recipes.spark import _specs as pulsar_spark
 from tests.spark import tasks
-from tests.spark.conftest import SPARK_MARKS, WAIT_S, map_options
+from tests.spark.conftest import SPARK_MARKS, map_options
+from tests.spark.forking import in_forked_child
 
 pytestmark = SPARK_MARKS
 
@@ -100,34 +98,10 @@ def test_fork_child_opens_its_own_map_and_parent_keeps_working(spec: MapSpec) ->
     parent = get_map(spec)
     parent.put("from", "parent")
     parent_writer = parent.async_map.manager.writer_id
-    read_end, write_end = os.pipe()
     # Fork while this process holds the cache's lock: the child must not inherit it held.
-    with pulsar_spark._current_cache().lock:
-        pid = os.fork()
-    if pid == 0:  # the child: report through the pipe, never return into pytest
-        code = 1
-        try:
-            os.close(read_end)
-            result = _child(spec, parent_writer)
-            os.write(write_end, json.dumps(result).encode())
-            code = 0
-        except BaseException as exc:
-            os.write(write_end, json.dumps({"error": repr(exc)}).encode())
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    try:
-        poller = select.poll()  # not select(): descriptors can be above 1024 in a long session
-        poller.register(read_end, select.POLLIN)
-        ready = poller.poll(WAIT_S * 1000)
-        if not ready:
-            os.kill(pid, signal.SIGKILL)
-            pytest.fail(f"the forked child gave no answer in {WAIT_S}s")
-        report = json.loads(os.read(read_end, 65536) or b"{}")
-    finally:
-        os.close(read_end)
-        _reap(pid)
-    assert "error" not in report, report
+    pid, report = in_forked_child(
+        lambda: _child(spec, parent_writer), around_fork=pulsar_spark._current_cache().lock
+    )
     assert report["new"] is True
     assert report["seen"] == "parent"
     # The parent's map is untouched by the child's fork and still works.
@@ -135,19 +109,6 @@ def test_fork_child_opens_its_own_map_and_parent_keeps_working(spec: MapSpec) ->
     assert parent.get("child", latest=True) == pid
     parent.put("after", 1)
     assert parent.get("after") == 1
-
-
-def _reap(pid: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail("the forked child did not exit")
 
 
 def test_closed_maps_are_replaced_and_close_maps_closes_all(spec: MapSpec) -> None:
