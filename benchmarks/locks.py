@@ -337,6 +337,27 @@ class SystemResult:
     after_idle_rounds: int = 0
 
 
+@dataclass(frozen=True)
+class Rounds:
+    """How many rounds of each figure a system makes: ``uncontended`` acquire+release,
+    ``handovers`` of each kind, ``after_idle`` acquire+release each after 0.5-1.5 s of
+    nothing; ``warmup`` acquire+release rounds (and a hundredth as many handovers of each
+    kind) before any is measured."""
+
+    uncontended: int
+    handovers: int
+    after_idle: int = 0
+    warmup: int = 0
+
+    def share(self, blocks: int, block: int) -> Rounds:
+        """Block ``block``'s share (of ``blocks``) of each figure's rounds."""
+
+        def part(total: int) -> int:
+            return total // blocks + (1 if block < total % blocks else 0)
+
+        return Rounds(part(self.uncontended), part(self.handovers), part(self.after_idle))
+
+
 class Pair:
     """One system's holder and waiter processes, and the times they measured so far."""
 
@@ -361,12 +382,12 @@ class Pair:
         for queued in (QUEUED_S, 0):
             handover_gaps(self.holder, self.waiter, max(1, warmup // 100), queued)
 
-    def measure(self, uncontended: int, handovers: int, after_idle: int = 0) -> None:
-        self.holder.send("uncontended", uncontended)
+    def measure(self, rounds: Rounds) -> None:
+        self.holder.send("uncontended", rounds.uncontended)
         self.alone += self.holder.reply()
         for queued in (QUEUED_S, 0):
-            self.gaps[queued] += handover_gaps(self.holder, self.waiter, handovers, queued)
-        for _ in range(after_idle):
+            self.gaps[queued] += handover_gaps(self.holder, self.waiter, rounds.handovers, queued)
+        for _ in range(rounds.after_idle):
             # Nothing else runs meanwhile: the coordinator waits here.
             time.sleep(self._idle_draws.uniform(*IDLE_S))
             self.holder.send("uncontended", 1)
@@ -394,33 +415,19 @@ class Pair:
         )
 
 
-def measure(
-    system: str,
-    target: dict[str, Any],
-    uncontended: int,
-    handovers: int,
-    label: str = "",
-    warmup: int = 0,
-    after_idle: int = 0,
-) -> SystemResult:
+def measure(system: str, target: dict[str, Any], rounds: Rounds, label: str = "") -> SystemResult:
     """One system alone: warmed up, then measured in one go."""
     pair = Pair(system, target, label)
     try:
-        pair.warm(warmup)
-        pair.measure(uncontended, handovers, after_idle)
+        pair.warm(rounds.warmup)
+        pair.measure(rounds)
     finally:
         pair.stop()
     return pair.result()
 
 
 def measure_interleaved(
-    pairs: Sequence[Pair],
-    uncontended: int,
-    handovers: int,
-    blocks: int,
-    warmup: int,
-    say: Callable[[str], None],
-    after_idle: int = 0,
+    pairs: Sequence[Pair], rounds: Rounds, blocks: int, say: Callable[[str], None]
 ) -> None:
     """Every system warmed up, then measured in ``blocks`` rounds, a share of each figure's
     rounds per block, the systems' order rotating: a machine that is slower for a while
@@ -428,15 +435,11 @@ def measure_interleaved(
     whichever was measured then."""
     for pair in pairs:
         say(f"... {pair.label}: warming up")
-        pair.warm(warmup)
+        pair.warm(rounds.warmup)
     for block in range(blocks):
-
-        def share(total: int, block: int = block) -> int:
-            return total // blocks + (1 if block < total % blocks else 0)
-
         turn = block % len(pairs)
         for pair in [*pairs[turn:], *pairs[:turn]]:
-            pair.measure(share(uncontended), share(handovers), share(after_idle))
+            pair.measure(rounds.share(blocks, block))
         say(f"... block {block + 1}/{blocks} measured")
 
 
@@ -708,15 +711,12 @@ def run(
     *,
     service_url: str | None,
     admin_url: str | None,
-    uncontended: int,
-    handovers: int,
+    rounds: Rounds,
     say: Callable[[str], None],
     idle_release_s: Sequence[float] = (),
     without_relay: bool = False,
     floor: dict[str, float] | None = None,
-    warmup: int = 0,
     blocks: int = 1,
-    after_idle: int = 0,
 ) -> tuple[list[SystemResult], dict[str, str]]:
     """Measure the systems; returns the results and the skipped peers' reasons.
 
@@ -731,12 +731,9 @@ def run(
     Each ``idle_release_s`` adds a run of the library with that manager setting (how long a
     process keeps the topic's writer after its last write), labelled with it;
     ``without_relay`` one with ``relay_writes=False`` (every write takes the writer itself).
-    ``warmup``: acquire+release rounds (and a hundredth as many handovers of each kind) each
-    system makes before it is measured. ``after_idle``: rounds of acquire+release each after
-    0.5-1.5 s of nothing (``IDLE_S``), per system.
     """
     skipped: dict[str, str] = {}
-    blocks = max(1, min(blocks, uncontended, handovers))
+    blocks = max(1, min(blocks, rounds.uncontended, rounds.handovers))
     with contextlib.ExitStack() as servers:
         # (system, target, label) of every system to measure, its server started.
         entries: list[tuple[str, dict[str, Any], str]] = []
@@ -764,29 +761,18 @@ def run(
             else:
                 entries.append((system, {}, system))
         if blocks > 1:
-            results = _interleaved(entries, uncontended, handovers, blocks, warmup, say, after_idle)
+            results = _interleaved(entries, rounds, blocks, say)
         else:
             results = []
             for system, target, label in entries:
                 say(f"... {label}{' (Ownership)' if system == 'library' else ''}")
                 if system == "library":
-                    results.append(
-                        measure(system, target, uncontended, handovers, label, warmup, after_idle)
-                    )
+                    results.append(measure(system, target, rounds, label))
                     continue
                 with peer_server(system) as peer:
-                    results.append(
-                        measure(
-                            system,
-                            peer,
-                            uncontended,
-                            handovers,
-                            warmup=warmup,
-                            after_idle=after_idle,
-                        )
-                    )
+                    results.append(measure(system, peer, rounds))
         if floor is not None and broker is not None:
-            _measure_floors(broker.service_url, uncontended, handovers, floor, say)
+            _measure_floors(broker.service_url, rounds, floor, say)
     return results, skipped
 
 
@@ -809,19 +795,16 @@ def _library_variants(
 
 def _interleaved(
     entries: list[tuple[str, dict[str, Any], str]],
-    uncontended: int,
-    handovers: int,
+    rounds: Rounds,
     blocks: int,
-    warmup: int,
     say: Callable[[str], None],
-    after_idle: int = 0,
 ) -> list[SystemResult]:
     pairs: list[Pair] = []
     try:
         for system, target, label in entries:
             say(f"... {label}: starting its two worker processes")
             pairs.append(Pair(system, target, label))
-        measure_interleaved(pairs, uncontended, handovers, blocks, warmup, say, after_idle)
+        measure_interleaved(pairs, rounds, blocks, say)
     finally:
         for pair in pairs:
             pair.stop()
@@ -829,20 +812,16 @@ def _interleaved(
 
 
 def _measure_floors(
-    service_url: str,
-    uncontended: int,
-    handovers: int,
-    floor: dict[str, float],
-    say: Callable[[str], None],
+    service_url: str, rounds: Rounds, floor: dict[str, float], say: Callable[[str], None]
 ) -> None:
     say("... raw pulsar-client: two sequential sends (the floor)")
-    floor["pulsar_two_sends_p50_ms"] = two_sends_p50_ms(service_url, uncontended)
+    floor["pulsar_two_sends_p50_ms"] = two_sends_p50_ms(service_url, rounds.uncontended)
     say(
         f"... raw pulsar-client: a send after {QUEUED_S * 1000:g} ms idle, "
         "read by another process (the handover's floor)"
     )
-    floor["pulsar_handover_p50_ms"] = handover_floor_p50_ms(service_url, handovers, QUEUED_S)
-    hot, after_idle = python_after_idle_us(handovers, QUEUED_S)
+    floor["pulsar_handover_p50_ms"] = handover_floor_p50_ms(service_url, rounds.handovers, QUEUED_S)
+    hot, after_idle = python_after_idle_us(rounds.handovers, QUEUED_S)
     floor["python_op_us"], floor["python_op_after_idle_us"] = hot, after_idle
 
 
@@ -961,15 +940,12 @@ def main(argv: list[str] | None = None) -> int:
         systems,
         service_url=args.pulsar_url,
         admin_url=args.pulsar_admin_url,
-        uncontended=uncontended,
-        handovers=handovers,
+        rounds=Rounds(uncontended, handovers, after_idle, warmup),
         say=lambda line: print(line, file=sys.stderr, flush=True),
         idle_release_s=args.idle_release_s,
         without_relay=args.without_relay,
         floor=floor,
-        warmup=warmup,
         blocks=args.blocks,
-        after_idle=after_idle,
     )
     print(side_by_side(results))
     for name, value in floor.items():

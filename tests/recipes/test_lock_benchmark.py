@@ -94,3 +94,12 @@ def test_metrics_with_a_skipped_peer_and_library_variants() -> None:
     assert [m.baseline for m in found][:1] == [4.0]  # a library variant is no peer
     assert found[0].met
     assert found[0].details["zookeeper skipped"] == "no ZooKeeper"
+
+
+def test_rounds_are_shared_out_between_the_blocks() -> None:
+    rounds = locks.Rounds(500, 203, 7, warmup=99)
+    shares = [rounds.share(10, block) for block in range(10)]
+    assert sum(s.uncontended for s in shares) == 500
+    assert sum(s.handovers for s in shares) == 203
+    assert [s.after_idle for s in shares] == [1] * 7 + [0] * 3
+    assert all(s.warmup == 0 for s in shares)  # warmed up once, before the blocks
