@@ -7,6 +7,7 @@ applies from their next step on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
@@ -17,6 +18,10 @@ from ._types import ManagerStats
 __all__ = ["Context", "Settings", "Tunables"]
 
 T = TypeVar("T")
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(slots=True)
@@ -36,6 +41,14 @@ class Settings:
     snapshot_every_bytes: int | None
 
     def __post_init__(self) -> None:
+        for name in ("idle_release_s", "relay_idle_release_s"):
+            value = getattr(self, name)
+            if value is None and name == "relay_idle_release_s":
+                continue  # idle_release_s applies
+            if not (_seconds(value) and math.isfinite(value) and value >= 0):
+                raise ConfigurationError(
+                    f"{name} must be a finite number of seconds >= 0, not {value!r}"
+                )
         if min(self.max_writes_per_record, self.max_writes_per_batch) < 1:
             raise ConfigurationError("max_writes_per_* must be >= 1")
         if self.max_record_bytes < 1024:

@@ -165,3 +165,25 @@ def test_a_trust_file_that_is_not_pem_is_refused(tmp_path: Path) -> None:
     bad.write_text("not a certificate")
     with pytest.raises(ConfigurationError, match="cannot be loaded"):
         _manager(admin_url="https://127.0.0.1:8443", tls_trust_certs_file_path=str(bad))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"relay_idle_release_s": -1.0},
+        {"relay_idle_release_s": float("nan")},
+        {"relay_idle_release_s": "5"},
+        {"relay_idle_release_s": True},
+        {"idle_release_s": float("inf")},
+        {"idle_release_s": None},
+    ],
+)
+def test_idle_holds_that_are_not_seconds_are_refused(options: dict[str, Any]) -> None:
+    [name] = options
+    with pytest.raises(ConfigurationError, match=f"{name} must be a finite number of seconds"):
+        _manager(**options)
+
+
+def test_idle_holds_accept_zero_and_none_for_the_relayed_one() -> None:
+    _manager(idle_release_s=0, relay_idle_release_s=None)
+    _manager(idle_release_s=0.1, relay_idle_release_s=5)
