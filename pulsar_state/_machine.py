@@ -77,6 +77,7 @@ class StateMachine(Generic[S, Op]):
         copy_state: Callable[[S], S] | None,
         begin_record: Callable[[S, int], S | None] | None,
         trial_state: Callable[[S], S] | None = None,
+        adopt_trial: Callable[[S, S], S] | None = None,
     ) -> None:
         self._apply = apply
         self._codec = codec
@@ -85,6 +86,18 @@ class StateMachine(Generic[S, Op]):
         self._begin_record = begin_record
         # Without copy_state or trial_state, ``apply`` promises never to mutate its input.
         self._pure = trial_state is None and copy_state is None
+        self._adopt_trial = adopt_trial
+
+    @property
+    def adopts(self) -> bool:
+        """Whether the writer's own one-write records are applied by adopting their trial
+        state (``adopt_trial``) rather than decoded and applied again."""
+        return self._adopt_trial is not None
+
+    def adopt(self, state: S, trial: S) -> S:
+        """The live state after the one-write record whose trial state is ``trial``."""
+        assert self._adopt_trial is not None
+        return self._adopt_trial(state, trial)
 
     def trial_copy(self, state: S) -> S:
         """A state the writer may change without touching ``state``, discarded after the

@@ -96,6 +96,15 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             ``DictOverlay`` (for a dict whose values ``apply`` replaces, never changes in
             place), or a state class's own overlay. When given, ``copy_state`` is used for
             snapshots only.
+        adopt_trial: ``adopt_trial(state, trial)`` returns the live state after this
+            process's own record of one write, from ``trial``: the trial state (a view from
+            ``trial_state``, or a ``copy_state`` copy) that write was built and checked on,
+            which sits on ``state``. The holder of the writer then makes its live state from
+            it instead of decoding its record and applying it again (every other replica
+            still does; a lock round spends about 8% less). Only for ops that ``apply``
+            treats exactly as their decoded copies (the codec round-trips them and ``apply``
+            keeps no reference to them) and generators that never change the state they are
+            given. ``LeaseTable.adopt`` is one (Ownership's).
         begin_record: ``begin_record(state, position)`` runs before the ops of each accepted
             record, with the position that record gets (1 for the first): for states that
             stamp versions. Runs on the writer's trial state too, with the same position.
@@ -177,6 +186,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         copy_state: Callable[[S], S] | None = DEFAULT_COPY,
         begin_record: Callable[[S, int], S | None] | None = None,
         trial_state: Callable[[S], S] | None = None,
+        adopt_trial: Callable[[S, S], S] | None = None,
         durable_state: DurableState[S] | None = None,
         admin_url: str | None = None,
         on_corrupt: OnCorrupt = "halt",
@@ -210,6 +220,10 @@ class SharedStateManager(Tunables, Generic[S, Op]):
     ) -> None:
         if on_corrupt not in ("halt", "skip"):
             raise ConfigurationError(f"on_corrupt must be 'halt' or 'skip', not {on_corrupt!r}")
+        if adopt_trial is not None and not callable(adopt_trial):
+            raise ConfigurationError(
+                f"adopt_trial must be a function (state, trial) -> state, not {adopt_trial!r}"
+            )
         self.topic = TopicName.parse(topic)
         client_options = secured_client_options(
             client_options, authentication, tls_trust_certs_file_path, tls_validate_hostname
@@ -261,6 +275,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             copy_state=copy_state,
             begin_record=begin_record,
             trial_state=trial_state,
+            adopt_trial=adopt_trial,
         )
         self._pending = PendingWrites(self._context)
         self._replica: Replica[S, Op] = Replica(

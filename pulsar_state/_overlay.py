@@ -55,6 +55,11 @@ class DictOverlay(MutableMapping[K, V]):
     # ------------------------------------------------------------ what changed
 
     @property
+    def base(self) -> Mapping[K, V]:
+        """The mapping this overlay sits on."""
+        return self._base
+
+    @property
     def cleared(self) -> bool:
         """Whether ``clear()`` ran: then no base key shows through."""
         return self._cleared
@@ -69,6 +74,22 @@ class DictOverlay(MutableMapping[K, V]):
     def removed_keys(self) -> Iterable[K]:
         """Base keys that no longer hold their base place."""
         return self._removed
+
+    def commit(self) -> None:
+        """Write the changes into ``base`` (a mutable mapping): it then holds what this
+        overlay shows, in the same order. The overlay is spent: do not use it again."""
+        base = self._base
+        if not isinstance(base, MutableMapping):
+            raise TypeError(f"cannot commit an overlay onto a {type(base).__name__}")
+        if self._cleared:
+            base.clear()
+        else:
+            for key in self._removed:
+                del base[key]
+            base.update(self._changed)
+        # After the removals: a base key deleted and added again moves to the end, as in a
+        # dict, and keys added go in the order they were added.
+        base.update(self._added)
 
     def _in_base(self, key: Any) -> bool:
         # A key in its base place, visible through the overlay.

@@ -59,8 +59,11 @@ class PendingWrite:
 class RecordClaim:
     """This process's writes in one record the replica is applying."""
 
-    def __init__(self, record_id: str, writes: list[PendingWrite], stats: ManagerStats) -> None:
+    def __init__(
+        self, record_id: str, writer_id: str, writes: list[PendingWrite], stats: ManagerStats
+    ) -> None:
         self._record_id = record_id
+        self._writer_id = writer_id
         self._by_seq = {p.write_seq: p for p in writes}
         self._stats = stats
         self._results: list[tuple[PendingWrite, Any, BaseException | None]] = []
@@ -78,6 +81,21 @@ class RecordClaim:
             except Exception as exc:  # the caller's reader: its error, its write
                 error = exc
         self._results.append((pending, value, error))
+
+    def fail(self, cause: BaseException) -> None:
+        """The replica halted while applying the record: its writes fail at once (not at
+        their deadline). The record is in the log, so other replicas may apply it."""
+        for pending in self._by_seq.values():
+            pending.outstanding.discard(self._record_id)
+            if not pending.future.done():
+                error = WriteOutcomeUnknownError(
+                    f"the replica halted while applying the record of write "
+                    f"{write_id(self._writer_id, pending.write_seq)}; other replicas may "
+                    "apply it (it is in the log)",
+                    write_id=write_id(self._writer_id, pending.write_seq),
+                )
+                error.__cause__ = cause
+                pending.future.set_exception(error)
 
     def commit(self, version: int) -> None:
         """The record was accepted as ``version``: complete its writes."""
@@ -293,7 +311,7 @@ class PendingWrites:
         if not writes:
             return None
         self.settled.set()
-        return RecordClaim(record_id, writes, self._stats)
+        return RecordClaim(record_id, self._writer_id, writes, self._stats)
 
     def reject(self, record_id: str) -> None:
         """The replica ignored ``record_id`` (stale): retry the writes it decided."""

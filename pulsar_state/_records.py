@@ -16,7 +16,7 @@ from ._envelope import Record, Write, encode_record, record_overhead
 from ._errors import ApplyError, CodecError, ConfigurationError, RecordTooLargeError
 from ._machine import MutatedInPlaceError, StateMachine
 
-__all__ = ["Batch", "OutgoingRecord", "RecordBuilder", "RecordLimits", "WriteRequest"]
+__all__ = ["Adoption", "Batch", "OutgoingRecord", "RecordBuilder", "RecordLimits", "WriteRequest"]
 
 S = TypeVar("S")
 Op = TypeVar("Op")
@@ -46,10 +46,22 @@ W = TypeVar("W", bound=WriteRequest)
 
 
 @dataclass(slots=True)
+class Adoption:
+    """What the writer needs to apply its own one-write record by adopting the trial state
+    it was built on (``StateMachine.adopt``): only while the live state is still ``base``
+    (the same object, at the record's base: the replica checks the position)."""
+
+    base: Any
+    trial: Any
+    ops: list[Any]
+
+
+@dataclass(slots=True)
 class OutgoingRecord(Generic[W]):
     record: Record
     payload: bytes
     writes: list[W]
+    adoption: Adoption | None = None
 
 
 @dataclass(slots=True)
@@ -169,4 +181,8 @@ class RecordBuilder(Generic[S, Op]):
             group.append((request, encoded))
             group_size += size
         flush()
+        if machine.adopts and len(batch) == 1 and len(applied) == 1 and len(result.records) == 1:
+            # One write alone in its record, and the trial holds exactly its ops (a write
+            # that failed half-way would have rebuilt it and is refused).
+            result.records[0].adoption = Adoption(state, trial, applied[0][1])
         return result

@@ -33,6 +33,7 @@ from ._errors import (
 )
 from ._machine import StateMachine
 from ._pulsar import LogPosition, PulsarConnection, RawMessage, StateReader
+from ._records import Adoption
 from ._retry import retry_transient
 from ._telemetry import observe_apply
 from ._types import AppliedRecord, OnCorrupt
@@ -56,6 +57,8 @@ class Claim(Protocol):
     def after_write(self, write_seq: int, state: Any) -> None: ...
 
     def commit(self, version: int) -> None: ...
+
+    def fail(self, cause: BaseException) -> None: ...
 
 
 class RecordOwner(Protocol):
@@ -363,8 +366,14 @@ class Replica(Generic[S, Op]):
 
     # ------------------------------------------------------------------ applying
 
-    def on_message(self, message: RawMessage, record: Record | None = None) -> None:
-        """Handle the next message of the log (``record``: already decoded, our own)."""
+    def on_message(
+        self,
+        message: RawMessage,
+        record: Record | None = None,
+        adoption: Adoption | None = None,
+    ) -> None:
+        """Handle the next message of the log (``record``: already decoded, our own;
+        ``adoption``: its trial state, see :meth:`apply_own`)."""
         if self.halt is not None:
             return  # a halted replica stays at its last good state, whoever hands it more
         if self.read_to is not None and message.position <= self.read_to:
@@ -373,7 +382,7 @@ class Replica(Generic[S, Op]):
         self._stats.records_read += 1
         self._stats.bytes_read += len(message.payload)
         try:
-            self._handle(message, record)
+            self._handle(message, record, adoption)
         except Exception as exc:
             # User code (a codec, a hook) or a bug raised: the state may hold part of this
             # message, so stop here, loudly, rather than let the pump die unseen.
@@ -385,7 +394,9 @@ class Replica(Generic[S, Op]):
                 cause=exc,
             )
 
-    def _handle(self, message: RawMessage, record: Record | None) -> None:
+    def _handle(
+        self, message: RawMessage, record: Record | None, adoption: Adoption | None = None
+    ) -> None:
         at = message.position
         if record is None:
             try:
@@ -404,6 +415,14 @@ class Replica(Generic[S, Op]):
         if record.base_position < self.version:
             self._reject(record)
         elif record.base_position == self.version and record.base_record_id == self.last_record_id:
+            if adoption is not None and adoption.base is self.state:
+                # Built on exactly this state (the same object at the record's base; it
+                # changes only by records): its trial state is what applying it gives.
+                self._apply(record, [adoption.ops], at, adoption)
+                if self.halt is not None:
+                    return
+                self._advance_read(at)
+                return
             try:
                 decoded = self._decode(record, at)
             except (CorruptRecordError, CodecError) as exc:
@@ -502,8 +521,12 @@ class Replica(Generic[S, Op]):
         )
         self._owner.reject(record.record_id)
 
-    def apply_own(self, payload: bytes, record: Record, at: LogPosition) -> None:
-        """Apply our own acknowledged record at once when it is provably next in the log.
+    def apply_own(
+        self, payload: bytes, record: Record, at: LogPosition, adoption: Adoption | None = None
+    ) -> None:
+        """Apply our own acknowledged record at once when it is provably next in the log;
+        by adopting its trial state (``adoption``) while the live state is the one it was
+        built on.
 
         Entries of a ledger are numbered densely, so a record stored at (L, e) while this
         replica has read exactly (L, e-1) has nothing before it left unread: handling it now
@@ -511,7 +534,7 @@ class Replica(Generic[S, Op]):
         Otherwise (first entry of a ledger, or the pump is behind) the pump handles it.
         """
         if self.is_next(at):
-            self.on_message(RawMessage(payload, at), record)  # no need to decode
+            self.on_message(RawMessage(payload, at), record, adoption)  # no need to decode
 
     def is_next(self, at: LogPosition) -> bool:
         """Whether the message stored at ``at`` is provably the next one in the log: the
@@ -519,7 +542,13 @@ class Replica(Generic[S, Op]):
         last = self.read_to
         return last is not None and last.ledger == at.ledger and last.entry + 1 == at.entry
 
-    def _apply(self, record: Record, decoded: list[list[Op]], at: LogPosition) -> None:
+    def _apply(
+        self,
+        record: Record,
+        decoded: list[list[Op]],
+        at: LogPosition,
+        adoption: Adoption | None = None,
+    ) -> None:
         claim = self._owner.claim(record.record_id)
         seqs = [w.write_seq for w in record.writes]
 
@@ -529,19 +558,27 @@ class Replica(Generic[S, Op]):
 
         started = time.perf_counter()
         try:
-            self.state = self._machine.apply_record(
-                self.state, self.version + 1, decoded, after_write
-            )
+            if adoption is not None:
+                self.state = self._machine.adopt(self.state, adoption.trial)
+                after_write(0, self.state)
+            else:
+                self.state = self._machine.apply_record(
+                    self.state, self.version + 1, decoded, after_write
+                )
         except Exception as exc:
             # The writer validated these ops on an identical state, so apply is not
-            # deterministic. The state may hold part of this record: stop here, loudly.
+            # deterministic (or adopt_trial failed). The state may hold part of this
+            # record: stop here, loudly.
+            culprit = "adopt_trial" if adoption is not None else "apply"
             self.halt_with(
                 ApplyError(
-                    f"apply raised on record {record.record_id} at message {at}: "
-                    f"{type(exc).__name__}: {exc}; apply must be deterministic"
+                    f"{culprit} raised on record {record.record_id} at message {at}: "
+                    f"{type(exc).__name__}: {exc}; {culprit} must be deterministic"
                 ),
                 cause=exc,
             )
+            if claim is not None:
+                claim.fail(self.halted_error())  # its writes left the in-flight set
             return
         origin = record.record_id if self.version == 0 else self.origin
         if self.durable is not None:
@@ -559,6 +596,8 @@ class Replica(Generic[S, Op]):
                     ),
                     cause=exc,
                 )
+                if claim is not None:
+                    claim.fail(self.halted_error())
                 return
         observe_apply(self._stats, self._context.attributes, time.perf_counter() - started)
         self.version += 1

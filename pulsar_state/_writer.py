@@ -49,7 +49,7 @@ from ._errors import (
 )
 from ._pending import PendingWrite, PendingWrites
 from ._pulsar import LogPosition, PulsarConnection, StateWriter
-from ._records import OutgoingRecord, RecordBuilder
+from ._records import Adoption, OutgoingRecord, RecordBuilder
 from ._relay import TURN_REQUEST, Relay, is_release_notice, release_notice
 from ._retry import backoff, is_transient, retry_transient
 from ._tail import Tail
@@ -131,7 +131,9 @@ class ReadSide(Protocol):
 
     def reached(self, target: LogPosition | None) -> bool: ...
 
-    def apply_own(self, payload: bytes, record: Record, at: LogPosition) -> None: ...
+    def apply_own(
+        self, payload: bytes, record: Record, at: LogPosition, adoption: Adoption | None = None
+    ) -> None: ...
 
     def is_next(self, at: LogPosition) -> bool: ...
 
@@ -1004,7 +1006,7 @@ class Writer:
             ):
                 wake.set()
                 return
-            replica.apply_own(outgoing.payload, outgoing.record, at)
+            replica.apply_own(outgoing.payload, outgoing.record, at, outgoing.adoption)
             if replica.halt is not None:
                 wake.set()
                 return
@@ -1042,7 +1044,7 @@ class Writer:
                 failures.append(exc)
                 continue
             acked.append(at)
-            replica.apply_own(outgoing.payload, outgoing.record, at)
+            replica.apply_own(outgoing.payload, outgoing.record, at, outgoing.adoption)
         self._stats.records_sent += len(records)
         if acked and not failures:
             replica.pause_reading(max(acked))  # if all applied: nothing to read back

@@ -239,6 +239,35 @@ class LeaseTable:
         view._below = (*self._below, self._expiry)
         return view
 
+    @staticmethod
+    def adopt(table: LeaseTable, view: LeaseTable) -> LeaseTable:
+        """``table`` changed as ``view`` (its :meth:`trial` view, ops applied) shows it, in
+        O(what the view changed): the same table as applying those ops to ``table`` gives
+        (its ``adopt_trial``: the writer's own records are applied without decoding them
+        again). The view is spent."""
+        overlays = (view.leases, view.holders, view._waiting, view._seq)
+        bases = (table.leases, table.holders, table._waiting, table._seq)
+        below = view._below
+        if (
+            len(below) != len(table._below) + 1
+            or below[-1] is not table._expiry
+            or not all(
+                isinstance(o, DictOverlay) and o.base is b
+                for o, b in zip(overlays, bases, strict=True)
+            )
+        ):
+            raise ValueError("not a trial view of this table")
+        for overlay in overlays:
+            cast(DictOverlay[Any, Any], overlay).commit()
+        table.clock, table.last_token, table.position = view.clock, view.last_token, view.position
+        table.events = view.events
+        table._next_seq = view._next_seq
+        for entry in view._expiry:  # entries for leases the view requested, renewed, granted
+            heapq.heappush(table._expiry, entry)
+        if not table._below:
+            table._tidy()
+        return table
+
     def simulate(self, op: dict[str, Any]) -> LeaseTable:
         """A view of this table with ``op`` applied (how a generator predicts an outcome).
         Read it at once: it sits on this table, so this table's later changes show through."""

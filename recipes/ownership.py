@@ -165,6 +165,7 @@ class Ownership:
             begin_record=LeaseTable.begin,
             copy_state=LeaseTable.copy,
             trial_state=LeaseTable.trial,
+            adopt_trial=LeaseTable.adopt,
             **manager_options,
         )
         self._pending: dict[str, asyncio.Future[Lease]] = {}

@@ -13,6 +13,7 @@ from pulsar_state import (
     AvroCodec,
     ConfigurationError,
     CorruptRecordError,
+    DictOverlay,
     OperationTimeoutError,
     PartitionedTopicError,
     PulsarStateError,
@@ -20,6 +21,7 @@ from pulsar_state import (
     ReplicaHaltedError,
     SchemaMismatchError,
     UnsafeTopicPolicyError,
+    WriteOutcomeUnknownError,
     WriterBusyError,
 )
 from pulsar_state._envelope import Record, Write, encode_record
@@ -166,6 +168,30 @@ async def test_op_that_apply_rejects_on_replay_halts_the_replica(
             pass
     assert isinstance(halted.value.__cause__, ApplyError)
     assert "from-the-future" in str(halted.value)
+
+
+async def test_an_apply_that_raises_only_on_the_live_state_fails_the_write_at_once(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    """A non-deterministic apply (fine on the writer's trial state, raising on the live one)
+    halts the writer's replica while it applies its own record: the write fails then, with
+    its outcome unknown (the record is in the log), not at its 30 s deadline."""
+
+    def apply(state: dict[str, Any], op: dict[str, Any]) -> None:
+        if not isinstance(state, DictOverlay) and op.get("flaky"):
+            raise RuntimeError("only on the live state")
+        state[op["k"]] = 1
+
+    async with counter_manager(
+        service_url, topic, admin_url, initial_state=dict, apply=apply, write_timeout_s=30.0
+    ) as writer:
+        await writer.write(lambda s: [{"k": "a"}])
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(WriteOutcomeUnknownError, match="halted while applying"):
+            await writer.write(lambda s: [{"k": "b", "flaky": True}])
+        assert asyncio.get_running_loop().time() - started < 10
+        with pytest.raises(ReplicaHaltedError, match="only on the live state"):
+            await writer.read(lambda s: s)
 
 
 async def test_schema_mismatch_is_a_clear_error(

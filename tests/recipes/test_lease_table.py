@@ -348,6 +348,49 @@ def test_the_indexed_table_decides_as_a_scan_of_every_lease_would(seed: int) -> 
     assert oracle.last_token > 30  # the run granted, expired and released a lot
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_adopting_a_trial_view_gives_the_table_its_ops_give(seed: int) -> None:
+    """The writer applies its own one-write records by adopting the trial view they were
+    built on (``LeaseTable.adopt``, Ownership's ``adopt_trial``) while every other replica
+    applies the ops: both must give the same table, record after record (leases and the
+    waiting queue in request order, holders, tokens, events, every lease's expiry entry)."""
+    rng = random.Random(seed)
+    table, oracle = LeaseTable(), ScanningTable()
+    now = 0.0
+    adopted = 0
+    for position in range(1, 400):
+        now += rng.choice([0.0, 0.05, 0.3, 1.0, -0.5])
+        ops = [_random_op(rng, now + rng.random() * 0.1) for _ in range(rng.randint(1, 3))]
+        if rng.random() < 0.6:
+            view = table.trial()
+            LeaseTable.begin(view, position)
+            for op in ops:
+                LeaseTable.apply(view, op)
+            assert LeaseTable.adopt(table, view) is table
+            oracle.position, oracle.events = position, []
+            for op in ops:
+                oracle.apply(op)
+            _same(table, oracle)
+            adopted += 1
+        else:
+            _record_both(table, oracle, position, ops)
+        assert list(table._seq) == list(table.leases)
+        assert list(table._waiting) == [i for i, x in table.leases.items() if not x.held]
+        entries = set(table._expiry)
+        for lease_id, lease in table.leases.items():
+            assert (lease.expires_at, table._seq[lease_id], lease_id) in entries
+    assert adopted > 150
+    assert oracle.last_token > 30
+
+
+def test_only_a_trial_view_of_the_table_is_adopted() -> None:
+    table, other = LeaseTable(), LeaseTable()
+    with pytest.raises(ValueError, match="not a trial view"):
+        LeaseTable.adopt(table, other.trial())
+    with pytest.raises(ValueError, match="not a trial view"):
+        LeaseTable.adopt(table, table.copy())
+
+
 def test_stale_expiry_entries_do_not_pile_up() -> None:
     """Released leases leave heap entries behind; the heap is rebuilt when those outnumber
     the leases, so a busy lock with a long TTL keeps a small heap."""

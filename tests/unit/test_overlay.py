@@ -191,3 +191,28 @@ def test_missing_keys_raise_key_error(method: str) -> None:
         getattr(overlay, method)("a")
     with pytest.raises(KeyError):
         overlay["a"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(base=st.dictionaries(keys, values), script=ops)
+def test_commit_leaves_the_base_as_the_overlay_shows_it_in_order(
+    base: dict[str, int], script: list[tuple[str, Any, Any]]
+) -> None:
+    """What a writer adopting its trial state (``adopt_trial``) relies on: after ``commit``,
+    the base holds the overlay's contents in the overlay's (a copy's) order."""
+    expected = dict(base)
+    overlay: DictOverlay[str, int] = DictOverlay(base)
+    for op in script:
+        run(overlay, op)
+        run(expected, op)
+    overlay.commit()
+    assert list(base.items()) == list(expected.items())
+
+
+def test_commit_needs_a_mutable_base() -> None:
+    import types
+
+    overlay: DictOverlay[str, int] = DictOverlay(types.MappingProxyType({"a": 1}))
+    overlay["b"] = 2
+    with pytest.raises(TypeError, match="mappingproxy"):
+        overlay.commit()
