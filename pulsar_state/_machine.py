@@ -20,7 +20,7 @@ from ._errors import ApplyError, CodecError, CorruptRecordError
 from ._overlay import DictOverlay
 from ._pulsar import LogPosition
 
-__all__ = ["DEFAULT_COPY", "IMMUTABLE_TYPES", "MutatedInPlaceError", "StateMachine"]
+__all__ = ["DEFAULT_COPY", "IMMUTABLE_TYPES", "MutatedInPlaceError", "StateMachine", "identical"]
 
 S = TypeVar("S")
 Op = TypeVar("Op")
@@ -53,6 +53,24 @@ IMMUTABLE_TYPES: Final[frozenset[type]] = frozenset(
         datetime.timedelta,
     }
 )
+
+
+def identical(a: Any, b: Any) -> bool:
+    """Whether ``b`` (an op decoded) is ``a`` (the op encoded) to ``apply``: equal, of the
+    same types all the way down (1 and 1.0, True and 1, a tuple and a list differ) and dict
+    keys in the same order. Anything else compares by ``==`` (an object without ``__eq__``
+    decoded again is not identical)."""
+    kind = type(a)
+    if kind is not type(b):
+        return False
+    if kind is dict:
+        return len(a) == len(b) and all(
+            type(ka) is type(kb) and ka == kb and identical(va, vb)
+            for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
+        )
+    if kind is list or kind is tuple:
+        return len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 def _private_copy(value: Any) -> Any:

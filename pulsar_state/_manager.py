@@ -100,11 +100,13 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             process's own record of one write, from ``trial``: the trial state (a view from
             ``trial_state``, or a ``copy_state`` copy) that write was built and checked on,
             which sits on ``state``. The holder of the writer then makes its live state from
-            it instead of decoding its record and applying it again (every other replica
-            still does; a lock round spends about 8% less). Only for ops that ``apply``
-            treats exactly as their decoded copies (the codec round-trips them and ``apply``
-            keeps no reference to them) and generators that never change the state they are
-            given. ``LeaseTable.adopt`` is one (Ownership's).
+            it instead of applying its record again (every other replica still does; a lock
+            round spends about 8% less CPU). The record is still decoded, while its
+            acknowledgement is awaited, and adopted only if its ops decode to exactly those
+            the trial ran (same values and types); otherwise it is applied as usual. So
+            ``apply`` must keep no reference to an op (the trial ran the generator's own
+            objects), and generators must never change the state they are given. Not with
+            ``durable_state``. ``LeaseTable.adopt`` is one (Ownership's).
         begin_record: ``begin_record(state, position)`` runs before the ops of each accepted
             record, with the position that record gets (1 for the first): for states that
             stamp versions. Runs on the writer's trial state too, with the same position.
@@ -224,6 +226,9 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             raise ConfigurationError(
                 f"adopt_trial must be a function (state, trial) -> state, not {adopt_trial!r}"
             )
+        if adopt_trial is not None and durable_state is not None:
+            # A durable state may note changes as apply makes them; adopting skips apply.
+            raise ConfigurationError("adopt_trial cannot be combined with durable_state")
         self.topic = TopicName.parse(topic)
         client_options = secured_client_options(
             client_options, authentication, tls_trust_certs_file_path, tls_validate_hostname

@@ -49,11 +49,14 @@ W = TypeVar("W", bound=WriteRequest)
 class Adoption:
     """What the writer needs to apply its own one-write record by adopting the trial state
     it was built on (``StateMachine.adopt``): only while the live state is still ``base``
-    (the same object, at the record's base: the replica checks the position)."""
+    (the same object, at the record's base: the replica checks the position), and once the
+    record's ops, decoded while its acknowledgement is awaited, proved identical to the ops
+    the trial ran (``decoded``; None: not decoded, or not identical)."""
 
     base: Any
     trial: Any
     ops: list[Any]
+    decoded: list[Any] | None = None
 
 
 @dataclass(slots=True)

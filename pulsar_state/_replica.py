@@ -31,7 +31,7 @@ from ._errors import (
     PulsarStateError,
     ReplicaHaltedError,
 )
-from ._machine import StateMachine
+from ._machine import StateMachine, identical
 from ._pulsar import LogPosition, PulsarConnection, RawMessage, StateReader
 from ._records import Adoption
 from ._retry import retry_transient
@@ -415,10 +415,16 @@ class Replica(Generic[S, Op]):
         if record.base_position < self.version:
             self._reject(record)
         elif record.base_position == self.version and record.base_record_id == self.last_record_id:
-            if adoption is not None and adoption.base is self.state:
-                # Built on exactly this state (the same object at the record's base; it
-                # changes only by records): its trial state is what applying it gives.
-                self._apply(record, [adoption.ops], at, adoption)
+            if (
+                adoption is not None
+                and adoption.decoded is not None
+                and adoption.base is self.state
+            ):
+                # Built on exactly this state (the same object at the record's base: the
+                # live state changes only by records, and a loaded snapshot is another
+                # object) with the ops every replica decodes: its trial state is what
+                # applying the record gives.
+                self._apply(record, [adoption.decoded], at, adoption)
                 if self.halt is not None:
                     return
                 self._advance_read(at)
@@ -492,6 +498,21 @@ class Replica(Generic[S, Op]):
                 f"{record.record_id}: {exc}"
             ) from exc
 
+    def check_adoption(self, record: Record, adoption: Adoption) -> None:
+        """Decode our own ``record`` (sent: called while its acknowledgement is awaited) and
+        let it be applied by adopting its trial state only if the ops decode to exactly those
+        the trial ran: then the trial state is what every replica's apply gives. Otherwise
+        (a codec that changes types, or fails) the record is decoded and applied on its
+        acknowledgement, as every replica does, and any failure halts there."""
+        try:
+            (ops,) = self._machine.decode(record, LogPosition(-1, -1))
+        except Exception:
+            return
+        if len(ops) == len(adoption.ops) and all(
+            identical(sent, got) for sent, got in zip(adoption.ops, ops, strict=True)
+        ):
+            adoption.decoded = ops
+
     def check_ops(self, record: Record) -> None:
         """Raise CorruptRecordError or CodecError if this replica's codec cannot decode the
         ops of ``record`` (one not in the log: another process's, relayed)."""
@@ -550,6 +571,25 @@ class Replica(Generic[S, Op]):
         adoption: Adoption | None = None,
     ) -> None:
         claim = self._owner.claim(record.record_id)
+        try:
+            self._apply_claimed(record, decoded, at, adoption, claim)
+        except BaseException as exc:
+            if claim is not None:
+                claim.fail(exc)  # a hook raised: the pump halts the replica next
+            raise
+        if claim is not None and self.halt is not None:
+            # Its writes left the in-flight set that a halt fails: fail them now, not at
+            # their deadline.
+            claim.fail(self.halted_error())
+
+    def _apply_claimed(
+        self,
+        record: Record,
+        decoded: list[list[Op]],
+        at: LogPosition,
+        adoption: Adoption | None,
+        claim: Claim | None,
+    ) -> None:
         seqs = [w.write_seq for w in record.writes]
 
         def after_write(index: int, state: S) -> None:
@@ -577,8 +617,6 @@ class Replica(Generic[S, Op]):
                 ),
                 cause=exc,
             )
-            if claim is not None:
-                claim.fail(self.halted_error())  # its writes left the in-flight set
             return
         origin = record.record_id if self.version == 0 else self.origin
         if self.durable is not None:
@@ -596,8 +634,6 @@ class Replica(Generic[S, Op]):
                     ),
                     cause=exc,
                 )
-                if claim is not None:
-                    claim.fail(self.halted_error())
                 return
         observe_apply(self._stats, self._context.attributes, time.perf_counter() - started)
         self.version += 1

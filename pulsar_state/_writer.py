@@ -139,6 +139,8 @@ class ReadSide(Protocol):
 
     def check_ops(self, record: Record) -> None: ...
 
+    def check_adoption(self, record: Record, adoption: Adoption) -> None: ...
+
     def pause_reading(self, applied_to: LogPosition) -> None: ...
 
     def resume_reading(self) -> None: ...
@@ -902,10 +904,14 @@ class Writer:
         producer = self._producer
         assert producer is not None
         self._pending.launch(records)
-        return [
+        sends: list[Awaitable[LogPosition]] = [
             producer.send_nowait(o.payload, key=o.record.record_id, on_settled=on_settled)
             for o in records
         ]
+        for outgoing in records:  # sent: decoding now costs the caller nothing
+            if outgoing.adoption is not None:
+                self._replica.check_adoption(outgoing.record, outgoing.adoption)
+        return sends
 
     def queued(self) -> bool:
         """A write was just queued (``PendingWrites.on_submit``). True when the writer's

@@ -1,8 +1,8 @@
 """``adopt_trial``: the holder of the writer applies its own record of one write by adopting
 the trial state the write was built and checked on, instead of decoding the record and
-applying it again; every other replica (and the holder, for anything else) decodes and
-applies. Each test checks which path a record took (decodes counted) and that the holder
-and a plain replica agree."""
+applying it again, once its ops decode to exactly those the trial ran; every other replica
+(and the holder, for anything else) applies the decoded ops. Each test checks which path a
+record took (adoptions counted) and that the holder and a plain replica agree."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pulsar_state import (
     WriteOutcomeUnknownError,
 )
 from tests.core.helpers import counter_manager, incr
-from tests.core.test_send_at_once import HELD, holding
+from tests.core.test_send_at_once import HELD, holding, parked
 
 
 class CountingCodec(JsonCodec):
@@ -49,7 +49,7 @@ class Adopter:
         return state
 
 
-async def test_the_holder_adopts_its_one_write_records_and_decodes_the_rest(
+async def test_the_holder_adopts_its_one_write_records_and_applies_the_rest(
     service_url: str, admin_url: str, topic: str
 ) -> None:
     codec, adopt = CountingCodec(), Adopter()
@@ -58,12 +58,13 @@ async def test_the_holder_adopts_its_one_write_records_and_decodes_the_rest(
     async with manager, peer:
         await holding(manager)
         codec.decoded, adopt.calls = 0, 0
-        # One write of two ops: adopted, nothing decoded; its reader sees the write.
+        # One write of two ops: adopted (its two ops decoded, to compare them with those the
+        # trial ran); its reader sees the write.
         result = await manager.write(
             lambda s: [incr("b"), incr("c", by=2)], reader=lambda s: (s["count"], dict(s["seen"]))
         )
         assert result.value == (4, {"a": 1, "b": 1, "c": 1})
-        assert (adopt.calls, codec.decoded) == (1, 0)
+        assert (adopt.calls, codec.decoded) == (1, 2)
         # Two writes queued in one loop turn share a record: decoded and applied as usual.
         first, second = await asyncio.gather(
             manager.write(lambda s: [incr("d")], reader=lambda s: s["count"]),
@@ -71,7 +72,7 @@ async def test_the_holder_adopts_its_one_write_records_and_decodes_the_rest(
         )
         assert first.position == second.position
         assert (first.value, second.value) == (5, 6)
-        assert (adopt.calls, codec.decoded) == (1, 2)
+        assert (adopt.calls, codec.decoded) == (1, 4)
         expected = {"count": 6, "seen": {"a": 1, "b": 1, "c": 1, "d": 1, "e": 1}}
         assert await manager.read(lambda s: s, latest=True) == expected
         assert await peer.read(lambda s: s, latest=True) == expected
@@ -98,6 +99,47 @@ async def test_an_adopt_trial_that_raises_halts_the_holder_loudly(
         assert "adopt_trial raised" in str(cause)
         # The record is in the log: every other replica applies it.
         assert await peer.read(lambda s: s["seen"], latest=True) == {"a": 1, "b": 1}
+
+
+async def test_ops_that_do_not_decode_to_themselves_are_applied_not_adopted(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    """A tuple in an op comes back a list from JSON: the trial ran the tuple, every replica
+    applies the list. The holder must apply the list too (no adoption), or it would hold a
+    tuple where every other replica holds a list."""
+
+    def apply(state: dict[str, Any], op: dict[str, Any]) -> None:
+        state[op["k"]] = op["v"]
+
+    codec, adopt = CountingCodec(), Adopter()
+    options: dict[str, Any] = {"initial_state": dict, "apply": apply}
+    manager = counter_manager(
+        service_url, topic, admin_url, codec=codec, adopt_trial=adopt, **options, **HELD
+    )
+    peer = counter_manager(service_url, topic, admin_url, **options)
+    async with manager, peer:
+        await manager.write(lambda s: [{"k": "first", "v": 1}])
+        await parked(manager)
+        adopt.calls = 0
+        await manager.write(lambda s: [{"k": "pair", "v": (1, 2)}])
+        assert adopt.calls == 0
+        await manager.write(lambda s: [{"k": "list", "v": [1, 2]}])
+        assert adopt.calls == 1
+        mine = await manager.read(lambda s: dict(s), latest=True)
+        theirs = await peer.read(lambda s: dict(s), latest=True)
+        assert mine == theirs == {"first": 1, "pair": [1, 2], "list": [1, 2]}
+        assert type(mine["pair"]) is list
+
+
+def test_adopt_trial_is_not_for_a_durable_state(service_url: str, topic: str) -> None:
+    with pytest.raises(ConfigurationError, match="durable_state"):
+        counter_manager(
+            service_url,
+            topic,
+            "http://127.0.0.1:1",
+            adopt_trial=Adopter(),
+            durable_state=object(),
+        )
 
 
 def test_adopt_trial_must_be_a_function(service_url: str, topic: str) -> None:

@@ -216,3 +216,24 @@ def test_commit_needs_a_mutable_base() -> None:
     overlay["b"] = 2
     with pytest.raises(TypeError, match="mappingproxy"):
         overlay.commit()
+
+
+def test_identical_ops_have_the_same_values_and_types_all_the_way_down() -> None:
+    """The writer adopts a trial state only if its record's ops decode to exactly the ops
+    the trial ran (``adopt_trial``)."""
+    from pulsar_state._machine import identical
+
+    op = {"op": "acquire", "names": ["a", "b"], "ttl": 1.5, "n": 2, "ok": True, "x": None}
+    assert identical(op, JsonCodec().decode(JsonCodec().encode(op)))
+    for sent, got in [
+        (1, 1.0),
+        (True, 1),
+        (("a",), ["a"]),
+        ({"a": 1, "b": 2}, {"b": 2, "a": 1}),  # apply may iterate an op in order
+        ({1: "x"}, {"1": "x"}),
+        ({"k": [1, (2,)]}, {"k": [1, [2]]}),
+        (float("nan"), float("nan")),
+        (object(), object()),  # no __eq__: a decoded copy is another object
+        ([1, 2], [1, 2, 3]),
+    ]:
+        assert not identical(sent, got), (sent, got)
