@@ -88,11 +88,11 @@ class RecordClaim:
         for pending in self._by_seq.values():
             pending.outstanding.discard(self._record_id)
             if not pending.future.done():
+                wid = write_id(self._writer_id, pending.write_seq)
                 error = WriteOutcomeUnknownError(
-                    f"the replica halted while applying the record of write "
-                    f"{write_id(self._writer_id, pending.write_seq)}; other replicas may "
-                    "apply it (it is in the log)",
-                    write_id=write_id(self._writer_id, pending.write_seq),
+                    f"the replica halted while applying the record of write {wid}; other "
+                    "replicas may apply it (it is in the log)",
+                    write_id=wid,
                 )
                 error.__cause__ = cause
                 pending.future.set_exception(error)

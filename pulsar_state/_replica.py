@@ -424,19 +424,18 @@ class Replica(Generic[S, Op]):
                 # live state changes only by records, and a loaded snapshot is another
                 # object) with the ops every replica decodes: its trial state is what
                 # applying the record gives.
-                self._apply(record, [adoption.decoded], at, adoption)
-                if self.halt is not None:
+                decoded = [adoption.decoded]
+            else:
+                adoption = None  # applied as any record
+                try:
+                    decoded = self._decode(record, at)
+                except (CorruptRecordError, CodecError) as exc:
+                    # Never skipped, whatever on_corrupt says: replicas that can decode it
+                    # accept it, so skipping would fork this replica's history (and its
+                    # writes with it).
+                    self.halt_with(exc)
                     return
-                self._advance_read(at)
-                return
-            try:
-                decoded = self._decode(record, at)
-            except (CorruptRecordError, CodecError) as exc:
-                # Never skipped, whatever on_corrupt says: replicas that can decode it accept
-                # it, so skipping would fork this replica's history (and its writes with it).
-                self.halt_with(exc)
-                return
-            self._apply(record, decoded, at)
+            self._apply(record, decoded, at, adoption)
             if self.halt is not None:
                 return
         elif self.fall_forward is not None:
