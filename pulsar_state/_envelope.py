@@ -75,10 +75,11 @@ class Record:
     base_record_id: str
     writes: list[Write]
     meta: dict[str, str] = field(default_factory=dict)
+    # Derived, made once: it is read several times per record on the writer's path.
+    record_id: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def record_id(self) -> str:
-        return f"{self.writer_id}/{self.record_seq}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "record_id", f"{self.writer_id}/{self.record_seq}")
 
 
 def write_id(writer_id: str, write_seq: int) -> str:

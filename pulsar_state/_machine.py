@@ -60,16 +60,24 @@ def identical(a: Any, b: Any) -> bool:
     same types all the way down (1 and 1.0, True and 1, a tuple and a list differ) and dict
     keys in the same order. Anything else compares by ``==`` (an object without ``__eq__``
     decoded again is not identical)."""
+    # Loops rather than all(<generator>): this runs on every op the writer adopts.
     kind = type(a)
     if kind is not type(b):
         return False
     if kind is dict:
-        return len(a) == len(b) and all(
-            type(ka) is type(kb) and ka == kb and identical(va, vb)
-            for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
-        )
+        if len(a) != len(b):
+            return False
+        for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True):
+            if type(ka) is not type(kb) or ka != kb or not identical(va, vb):
+                return False
+        return True
     if kind is list or kind is tuple:
-        return len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b, strict=True))
+        if len(a) != len(b):
+            return False
+        for x, y in zip(a, b, strict=True):  # noqa: SIM110 (a loop: see above)
+            if not identical(x, y):
+                return False
+        return True
     return bool(a == b)
 
 

@@ -79,7 +79,7 @@ class DictOverlay(MutableMapping[K, V]):
         """Write the changes into ``base`` (a mutable mapping): it then holds what this
         overlay shows, in the same order. The overlay is spent: do not use it again."""
         base = self._base
-        if not isinstance(base, MutableMapping):
+        if type(base) is not dict and not isinstance(base, MutableMapping):  # dict: no ABC check
             raise TypeError(f"cannot commit an overlay onto a {type(base).__name__}")
         if self._cleared:
             base.clear()
@@ -145,6 +145,13 @@ class DictOverlay(MutableMapping[K, V]):
         else:
             raise KeyError(key)
         self._len -= 1
+
+    def setdefault(self, key: K, default: Any = None, /) -> Any:
+        # MutableMapping's would look the key up through __getitem__ and KeyError.
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
+            self[key] = value = default
+        return value
 
     def clear(self) -> None:
         self._cleared = True

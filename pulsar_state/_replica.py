@@ -507,9 +507,7 @@ class Replica(Generic[S, Op]):
             (ops,) = self._machine.decode(record, LogPosition(-1, -1))
         except Exception:
             return
-        if len(ops) == len(adoption.ops) and all(
-            identical(sent, got) for sent, got in zip(adoption.ops, ops, strict=True)
-        ):
+        if identical(adoption.ops, ops):  # both lists
             adoption.decoded = ops
 
     def check_ops(self, record: Record) -> None:

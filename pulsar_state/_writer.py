@@ -109,6 +109,39 @@ class _Issued:
     failure: Exception | None = None
 
 
+class _IdleWait:
+    """The serve loop's idle wait, holding the producer: it ends at ``until``, which a batch
+    finished on its acknowledgement pushes back by a plain store (an ``asyncio.timeout``
+    rescheduled per write cancelled and pushed a loop timer each time). The loop's timer
+    fires at the first end set and, if the end moved meanwhile, is set again once."""
+
+    __slots__ = ("_armed", "_handle", "_loop", "_wake", "expired", "until")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, until: float, wake: asyncio.Event) -> None:
+        self._loop, self._wake = loop, wake
+        self.until = self._armed = until
+        self.expired = False
+        self._handle = loop.call_at(until, self._check)
+
+    def move_to(self, until: float) -> None:
+        self.until = until
+        if until < self._armed:  # sooner (a shorter idle_release once the relay is up)
+            self._handle.cancel()
+            self._armed = until
+            self._handle = self._loop.call_at(until, self._check)
+
+    def _check(self) -> None:
+        if self._loop.time() < self.until:
+            self._armed = self.until
+            self._handle = self._loop.call_at(self.until, self._check)
+            return
+        self.expired = True
+        self._wake.set()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 class ReadSide(Protocol):
     """What the writer needs of the replica."""
 
@@ -222,7 +255,7 @@ class Writer:
         # The serve loop's idle wait while it waits holding the producer (_parked: and a
         # write may be sent at once). When it ends ``idle_release_s`` after the last batch
         # (_idle_from_last), a batch finished on its acknowledgement pushes that end back.
-        self._idle_wait: asyncio.Timeout | None = None
+        self._idle_wait: _IdleWait | None = None
         self._idle_from_last = False
         # Records read before the writer started (the opening replay) say nothing of who
         # holds the writer now.
@@ -313,16 +346,16 @@ class Writer:
                 if idle > 0:  # else (a turn due now) no wait: the queue is checked below
                     self._parked = True
                     self._idle_from_last = not unasked_turn and not self._turn_requested
+                    # A timer, not wait_for: no task per idle wait (one per write).
+                    idle_wait = self._idle_wait = _IdleWait(loop, loop.time() + idle, wake)
                     try:
-                        # A timeout scope, not wait_for: no task per idle wait (one per write).
-                        async with asyncio.timeout(idle) as self._idle_wait:
-                            await wake.wait()
-                        continue
-                    except TimeoutError:
-                        pass
+                        await wake.wait()
                     finally:
+                        idle_wait.cancel()
                         self._parked = False
                         self._idle_wait = None
+                    if not idle_wait.expired:
+                        continue
                 if pending.queue or self._foreign or self._issued is not None:
                     continue  # came as the wait ended: served first, the turn comes later
                 if unasked_turn:
@@ -996,7 +1029,7 @@ class Writer:
             idle_moves = self._idle_from_last
             if (
                 idle_wait is None
-                or idle_wait.expired()
+                or idle_wait.expired
                 or wake.is_set()
                 or (
                     idle_moves
@@ -1021,7 +1054,7 @@ class Writer:
             replica.pause_reading(at)
             self._after_batch()
             if idle_moves:
-                idle_wait.reschedule(idle_until)
+                idle_wait.move_to(idle_until)
             self._parked = True  # still idle holding the producer: the next write too
         except Exception as exc:
             # Raised in the serve loop, as it would have been there (its retry logs it).

@@ -504,7 +504,8 @@ class Ownership:
     def _on_record(self, record: AppliedRecord[Any]) -> None:
         if self._manager.closed:
             return
-        events: list[LeaseEvent] = self._manager.read_local(lambda s: s.events)
+        table: LeaseTable = self._manager.read_local(_whole)
+        events: list[LeaseEvent] = table.events
         for event in events:
             lease_id = event.lease.id
             if event.kind == "granted":
@@ -528,7 +529,6 @@ class Ownership:
                         )
                     self._stop_keeping(lease_id)
         if events:
-            table = self._manager.read_local(lambda s: s)
             if self._holds_up_a_request(events, table):
                 # This process's release comes next: have the writer ready for it.
                 self._manager.take_writer()
@@ -648,6 +648,10 @@ class Ownership:
 
 
 _WAITING = Lease("", "", (), "write", 1.0, 0.0)
+
+
+def _whole(table: LeaseTable) -> LeaseTable:
+    return table
 
 
 def _left(deadline: float | None) -> float | None:
