@@ -628,6 +628,8 @@ class StateReader:
 
     _POLL_MS = 100
     _PAUSE_MAX_S = 1.0
+    # A paused reader's look at the log once a _PAUSE_MAX_S: what the client already holds.
+    _CHECK_MS = 10
     _BATCH = 1000
     # Also cut by bytes, and the bytes handed over but not yet taken are bounded: batches of
     # big messages (snapshot chunks, records of megabytes) would otherwise hold hundreds of
@@ -654,6 +656,9 @@ class StateReader:
         self._reading = threading.Event()
         self._reading.set()
         self._paused_at = 0.0
+        # Reading only to look at the log while paused (see pause()); pause again after it.
+        self._looking = False
+        self._switch = threading.Lock()  # pause/resume against the thread's own
         # The last message read off the client (by the thread; handed over or not yet).
         self.last_read: LogPosition | None = after
         self._thread = threading.Thread(
@@ -677,7 +682,10 @@ class StateReader:
                 # would fail, and its writer be released).
                 left = self._paused_at + self._PAUSE_MAX_S - time.monotonic()
                 if left <= 0:
-                    self._reading.set()
+                    with self._switch:
+                        if not self._reading.is_set():  # else resumed meanwhile: read on
+                            self._looking = True
+                            self._reading.set()
                 else:
                     self._reading.wait(left)
                 continue
@@ -691,11 +699,15 @@ class StateReader:
                 batch, batch_bytes = [], 0
             try:
                 # Block while idle; once a batch has started, take only what is already there.
-                msg = self._reader.read_next(0 if batch else self._POLL_MS)
+                msg = self._reader.read_next(
+                    0 if batch else self._CHECK_MS if self._looking else self._POLL_MS
+                )
             except pulsar_exceptions.Timeout:
                 if batch:
                     self._hand_over(batch, batch_bytes)
                     batch, batch_bytes = [], 0
+                if self._looking:
+                    self._pause_again()
                 continue
             except Exception as exc:
                 if not self._stop.is_set():
@@ -733,16 +745,35 @@ class StateReader:
             self._loop.call_soon_threadsafe(self._ready.set)
 
     def pause(self) -> None:
-        """Stop reading until :meth:`resume`, or for a second from the latest call; from the
-        loop's thread. Messages not read stay in the client's prefetch queue, and once it is
-        full the broker sends no more. Nothing is skipped: reading resumes where it stopped."""
-        self._paused_at = time.monotonic()
-        if self._reading.is_set():
-            self._reading.clear()
+        """Stop reading until :meth:`resume`; from the loop's thread. Messages not read stay
+        in the client's prefetch queue, and once it is full the broker sends no more.
+        Nothing is skipped: reading resumes where it stopped.
+
+        Meanwhile, a second after the latest call and then every second, the reader looks at
+        the log: it reads what the client holds (a fencer's records: a holder fenced while
+        idle sees them within about a second), then pauses again. It used to read on from
+        that second until the next pause, so a holder's first write after a second idle
+        raced its own record to the reader: the pump then applied it (decoded) before its
+        acknowledgement came."""
+        with self._switch:
+            self._paused_at = time.monotonic()
+            self._looking = False
+            if self._reading.is_set():
+                self._reading.clear()
+
+    def _pause_again(self) -> None:
+        # From the thread: its look at the log found nothing more to read.
+        with self._switch:
+            if self._looking:  # not resumed (nor paused) by the loop meanwhile
+                self._looking = False
+                self._paused_at = time.monotonic()
+                self._reading.clear()
 
     def resume(self) -> None:
-        if not self._reading.is_set():
-            self._reading.set()
+        with self._switch:
+            self._looking = False
+            if not self._reading.is_set():
+                self._reading.set()
 
     def behind(self, position: LogPosition) -> int | None:
         """How many messages this reader has yet to read up to ``position``; None when that
@@ -754,7 +785,8 @@ class StateReader:
 
     @property
     def paused(self) -> bool:
-        return not self._reading.is_set()
+        # A look at the log ends paused again: only resume() makes the reader read on.
+        return self._looking or not self._reading.is_set()
 
     async def read_batch(self) -> list[RawMessage]:
         """The next messages in log order (at least one); waits for them."""

@@ -188,7 +188,8 @@ class Replica(Generic[S, Op]):
         can follow, applied on their acks, so reading each back is work for nothing (measured:
         ~150 us of CPU a record). Reading resumes when anything waits for a position or
         version not reached (a ledger's first entry, a fencer's records), when the writer is
-        released (:meth:`resume_reading`) and after a second (the reader's bound).
+        released (:meth:`resume_reading`); meanwhile the reader looks at the log a second
+        after the latest pause and every second (a fencer's records), then pauses again.
 
         What the paused reader leaves unread is never read: past ``_SKIP_AFTER_READ_AHEADS``
         read-aheads of it, or when reading is wanted while more than one read-ahead is

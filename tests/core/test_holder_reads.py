@@ -71,6 +71,27 @@ async def test_the_holder_does_not_read_its_own_records_back(
         assert set(state["seen"].values()) == {1}
 
 
+async def test_an_idle_holders_reader_looks_at_the_log_and_pauses_again(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A second after the holder's latest write its paused reader looks at the log (a fencer's
+    # records), then pauses again: the holder's next write, after a longer idle, is applied
+    # on its ack, not raced to the pump by a reader that had started reading for good.
+    delivered = count_delivered(monkeypatch)
+    async with counter_manager(service_url, topic, admin_url, **HOLD) as holder:
+        await write_until_paused(holder, "first")
+        for i in range(3):
+            await asyncio.sleep(StateReader._PAUSE_MAX_S + 0.3)  # a look came and went
+            assert reader_of(holder).paused
+            delivered[0] = 0
+            await holder.write(lambda s, i=i: [incr(f"idle{i}")])  # type: ignore[misc]
+            await asyncio.sleep(0.2)  # well within the next look
+            assert delivered[0] == 0, f"round {i}: read back {delivered[0]}"
+        state: Counter = await holder.read(lambda s: s, latest=True)
+        assert {f"idle{i}" for i in range(3)} <= set(state["seen"])
+        assert set(state["seen"].values()) == {1}
+
+
 async def test_a_holder_that_lets_the_writer_go_reads_again(
     service_url: str, admin_url: str, topic: str
 ) -> None:
