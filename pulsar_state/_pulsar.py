@@ -658,6 +658,7 @@ class StateReader:
         self._paused_at = 0.0
         # Reading only to look at the log while paused (see pause()); pause again after it.
         self._looking = False
+        self._own_until: LogPosition | None = None  # the holder's last record at pause()
         self._switch = threading.Lock()  # pause/resume against the thread's own
         # The last message read off the client (by the thread; handed over or not yet).
         self.last_read: LogPosition | None = after
@@ -706,7 +707,7 @@ class StateReader:
                 if batch:
                     self._hand_over(batch, batch_bytes)
                     batch, batch_bytes = [], 0
-                if self._looking:
+                elif self._looking:  # a look's wait found nothing more
                     self._pause_again()
                 continue
             except Exception as exc:
@@ -720,6 +721,8 @@ class StateReader:
             position = LogPosition(mid.ledger_id(), mid.entry_id())
             batch.append(RawMessage(data, position))
             self.last_read = position
+            if self._looking and self._own_until is not None and position > self._own_until:
+                self._read_on()  # a record the holder did not write (a fencer's): read on
             batch_bytes += len(data)
             if len(batch) >= self._BATCH or batch_bytes >= self._BATCH_BYTES:
                 self._hand_over(batch, batch_bytes)
@@ -744,30 +747,40 @@ class StateReader:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is reading
             self._loop.call_soon_threadsafe(self._ready.set)
 
-    def pause(self) -> None:
-        """Stop reading until :meth:`resume`; from the loop's thread. Messages not read stay
-        in the client's prefetch queue, and once it is full the broker sends no more.
-        Nothing is skipped: reading resumes where it stopped.
+    def pause(self, own_until: LogPosition) -> None:
+        """Stop reading until :meth:`resume`; from the loop's thread, by the holder of the
+        topic's writer, whose last record is at ``own_until``. Messages not read stay in the
+        client's prefetch queue, and once it is full the broker sends no more. Nothing is
+        skipped: reading resumes where it stopped.
 
         Meanwhile, a second after the latest call and then every second, the reader looks at
-        the log: it reads what the client holds (a fencer's records: a holder fenced while
-        idle sees them within about a second), then pauses again. It used to read on from
-        that second until the next pause, so a holder's first write after a second idle
-        raced its own record to the reader: the pump then applied it (decoded) before its
-        acknowledgement came."""
+        the log: it reads up to ``own_until`` (the holder's own records it left unread) and
+        what comes within ``_CHECK_MS`` after, then pauses again; a record past
+        ``own_until`` (a fencer's: a holder fenced while idle sees it within about a second)
+        makes it read on as after :meth:`resume`. It used to read on from that second until
+        the next pause, so a holder's first write after a second idle raced its own record
+        to the pump, which then applied it (decoded) before its acknowledgement came."""
         with self._switch:
             self._paused_at = time.monotonic()
+            self._own_until = own_until
             self._looking = False
             if self._reading.is_set():
                 self._reading.clear()
 
     def _pause_again(self) -> None:
-        # From the thread: its look at the log found nothing more to read.
+        # From the thread: its look found nothing more within _CHECK_MS.
         with self._switch:
-            if self._looking:  # not resumed (nor paused) by the loop meanwhile
+            last, own_until = self.last_read, self._own_until
+            caught_up = own_until is None or (last is not None and last >= own_until)
+            if self._looking and caught_up:  # not resumed (nor paused) by the loop meanwhile
                 self._looking = False
                 self._paused_at = time.monotonic()
                 self._reading.clear()
+
+    def _read_on(self) -> None:
+        # From the thread: a look found a record past the holder's own.
+        with self._switch:
+            self._looking = False
 
     def resume(self) -> None:
         with self._switch:
@@ -786,7 +799,9 @@ class StateReader:
     @property
     def paused(self) -> bool:
         # A look at the log ends paused again: only resume() makes the reader read on.
-        return self._looking or not self._reading.is_set()
+        # Under the lock: the thread sets both as a look starts.
+        with self._switch:
+            return self._looking or not self._reading.is_set()
 
     async def read_batch(self) -> list[RawMessage]:
         """The next messages in log order (at least one); waits for them."""

@@ -205,7 +205,7 @@ class Replica(Generic[S, Op]):
             if behind is None or behind > self._skip_after:
                 self._skip_unread(reader)
             else:
-                reader.pause()  # from now: the bound runs from the holder's latest write
+                reader.pause(applied_to)  # from now: the look comes a second after this
             return
         if (
             behind is not None
@@ -215,7 +215,7 @@ class Replica(Generic[S, Op]):
             and not self._log_waiters.waiting()
             and not self._version_waiters.waiting()
         ):
-            reader.pause()
+            reader.pause(applied_to)
 
     def resume_reading(self) -> None:
         """Read again (a waiter wants a record, or the writer was released): at once, or

@@ -152,6 +152,34 @@ async def test_a_paused_holder_fenced_by_another_process_sees_its_writes(
             assert set(state["seen"].values()) == {1}
 
 
+async def test_a_holder_fenced_with_many_own_records_unread_sees_the_fencer_within_seconds(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Its paused reader holds several read-aheads of the holder's own records: a look reads
+    # through all of them (not one client queue a second) and reads on at the fencer's.
+    async with (
+        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
+        counter_manager(
+            service_url, topic, admin_url, takeover_after_s=0.3, relay_writes=False
+        ) as fencer,
+    ):
+        made = await write_until_paused(holder, "holder")
+        backlog = 5 * holder._replica._read_ahead
+        for i in range(backlog):
+            await holder.write(lambda s, i=i: [incr(f"more{i}")])  # type: ignore[misc]
+        assert reader_of(holder).paused
+        assert holder.stats.readers_replaced == 0  # the backlog is still the paused reader's
+        await fencer.write(lambda s: [incr("fencer")])
+        seen_at = time.monotonic()
+        total = made + backlog + 1
+        await until(lambda: holder.read_local(lambda s: s["count"]) == total, "seen", 10.0)
+        assert time.monotonic() - seen_at < 3.0
+        await asyncio.sleep(0.2)
+        assert not reader_of(holder).paused  # reads on: the fencer's next records at once
+        await fencer.write(lambda s: [incr("fencer2")])
+        await until(lambda: holder.read_local(lambda s: s["count"]) == total + 1, "next", 0.5)
+
+
 async def test_a_paused_holders_linearizable_read_sees_a_fencers_write_at_once(
     service_url: str, admin_url: str, topic: str
 ) -> None:
