@@ -111,10 +111,11 @@ async def test_a_holder_that_lets_the_writer_go_reads_again(
 
 @asynccontextmanager
 async def fenced_while_paused(
-    service_url: str, admin_url: str, topic: str
+    service_url: str, admin_url: str, topic: str, *, backlog: int = 0
 ) -> AsyncIterator[tuple[Manager, Manager, int]]:
     """(holder, fencer, writes the holder made): the holder keeps the writer with its reader
-    paused; the fencer then took the writer over with fencing and wrote once."""
+    paused (``backlog`` more writes left unread by it); the fencer then took the writer over
+    with fencing and wrote once."""
     async with (
         counter_manager(service_url, topic, admin_url, **HOLD) as holder,
         counter_manager(
@@ -122,8 +123,11 @@ async def fenced_while_paused(
         ) as fencer,
     ):
         made = await write_until_paused(holder, "holder")
+        for i in range(backlog):
+            await holder.write(lambda s, i=i: [incr(f"more{i}")])  # type: ignore[misc]
+        assert reader_of(holder).paused
         await fencer.write(lambda s: [incr("fencer")])
-        yield holder, fencer, made
+        yield holder, fencer, made + backlog
 
 
 async def test_a_paused_holder_fenced_by_another_process_sees_its_writes(
@@ -157,27 +161,21 @@ async def test_a_holder_fenced_with_many_own_records_unread_sees_the_fencer_with
 ) -> None:
     # Its paused reader holds several read-aheads of the holder's own records: a look reads
     # through all of them (not one client queue a second) and reads on at the fencer's.
-    async with (
-        counter_manager(service_url, topic, admin_url, **HOLD) as holder,
-        counter_manager(
-            service_url, topic, admin_url, takeover_after_s=0.3, relay_writes=False
-        ) as fencer,
+    backlog = 320  # five read-aheads at the default max_record_bytes (checked below)
+    async with fenced_while_paused(service_url, admin_url, topic, backlog=backlog) as (
+        holder,
+        fencer,
+        made,
     ):
-        made = await write_until_paused(holder, "holder")
-        backlog = 5 * holder._replica._read_ahead
-        for i in range(backlog):
-            await holder.write(lambda s, i=i: [incr(f"more{i}")])  # type: ignore[misc]
-        assert reader_of(holder).paused
-        assert holder.stats.readers_replaced == 0  # the backlog is still the paused reader's
-        await fencer.write(lambda s: [incr("fencer")])
+        assert holder._replica._read_ahead * 5 == backlog
         seen_at = time.monotonic()
-        total = made + backlog + 1
-        await until(lambda: holder.read_local(lambda s: s["count"]) == total, "seen", 10.0)
+        await until(lambda: holder.read_local(lambda s: s["count"]) == made + 1, "seen", 10.0)
         assert time.monotonic() - seen_at < 3.0
+        assert holder.stats.readers_replaced == 0  # read through, not skipped
         await asyncio.sleep(0.2)
         assert not reader_of(holder).paused  # reads on: the fencer's next records at once
         await fencer.write(lambda s: [incr("fencer2")])
-        await until(lambda: holder.read_local(lambda s: s["count"]) == total + 1, "next", 0.5)
+        await until(lambda: holder.read_local(lambda s: s["count"]) == made + 2, "next", 0.5)
 
 
 async def test_a_paused_holders_linearizable_read_sees_a_fencers_write_at_once(
