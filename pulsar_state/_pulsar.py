@@ -628,7 +628,8 @@ class StateReader:
 
     _POLL_MS = 100
     _PAUSE_MAX_S = 1.0
-    # A paused reader's look at the log once a _PAUSE_MAX_S: what the client already holds.
+    # A paused reader looks at the log once a _PAUSE_MAX_S (see pause()): once it has read
+    # the holder's own records, it waits this long for more before pausing again.
     _CHECK_MS = 10
     _BATCH = 1000
     # Also cut by bytes, and the bytes handed over but not yet taken are bounded: batches of
