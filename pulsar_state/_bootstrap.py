@@ -88,11 +88,16 @@ async def replay_to_tail(
             after = LogPosition(snapshot.log_ledger, snapshot.log_entry) if snapshot else None
             records_total, bytes_total = await admin.backlog(topic, after=after)
     started = time.monotonic()
-    waiter = replica.log_waiter(tail)
-    while True:
-        done, _ = await asyncio.wait({waiter}, timeout=_REPORT_EVERY_S)
-        if done:
-            waiter.result()
-            break
-        report(started, records_total, bytes_total, done=False)
+    # Watched: a reader opened while the topic unloads can stay attached to the closed topic
+    # and deliver nothing, and the open would wait for it to its deadline.
+    waiter = asyncio.ensure_future(replica.wait_log_watched(tail))
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=_REPORT_EVERY_S)
+            if done:
+                waiter.result()
+                break
+            report(started, records_total, bytes_total, done=False)
+    finally:
+        waiter.cancel()
     report(started, records_total, bytes_total, done=True)

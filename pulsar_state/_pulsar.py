@@ -58,8 +58,10 @@ if sys.platform == "linux":
 __all__ = [
     "LogPosition",
     "PulsarConnection",
+    "READER_STALL_S",
     "RawMessage",
     "RelayChannel",
+    "ReopeningReader",
     "StateReader",
     "StateWriter",
     "TAIL_SUBSCRIPTION",
@@ -881,6 +883,77 @@ class StateReader:
         await close_in_own_thread_async(
             lambda: self._thread.join(5.0), 6.0, f"the reader thread of {self._topic}"
         )
+
+
+# A reader expected to deliver (the log holds more) that delivers nothing for this long is
+# taken for one the broker attached to a closed topic, and replaced (see ReopeningReader).
+READER_STALL_S = 5.0
+
+
+class ReopeningReader:
+    """Reads one topic message by message from a start, replacing its reader when it
+    delivers nothing for :data:`READER_STALL_S`: a reader subscribed while the topic unloads
+    can stay attached to the closed topic, where no message ever comes (measured: about 1
+    reader in 700 opened during unloads). The replacement starts just after the last message
+    delivered (or where the first began), so nothing is skipped or read twice.
+
+    For reads that expect a message (the caller knows the log holds one); the caller bounds
+    the whole wait. Not for following a tail that may stay quiet: each quiet
+    :data:`READER_STALL_S` costs a new reader.
+    """
+
+    def __init__(
+        self,
+        conn: PulsarConnection,
+        topic: str,
+        *,
+        at: LogPosition | None = None,
+        prefetch: int = 2000,
+    ) -> None:
+        self._conn = conn
+        self._topic = topic
+        self._at = at
+        self._prefetch = prefetch
+        self._last: LogPosition | None = None
+        self._reader: StateReader | None = None
+        self.reopened = 0  # readers replaced after a stall (tests, logs)
+
+    async def open(self) -> ReopeningReader:
+        """Create the first reader (apart, so that callers bound the reads only, as before)."""
+        if self._reader is None:
+            self._reader = await self._conn.create_reader(
+                self._topic,
+                after=self._last,
+                at=self._at if self._last is None else None,
+                prefetch=self._prefetch,
+            )
+        return self
+
+    async def read_next(self) -> RawMessage:
+        while True:
+            await self.open()
+            assert self._reader is not None
+            try:
+                async with asyncio.timeout(READER_STALL_S):
+                    message = await self._reader.read_next()
+            except TimeoutError:
+                logger.info(
+                    "no message from %s for %.0fs after %s: reopening the reader",
+                    self._topic,
+                    READER_STALL_S,
+                    self._last or self._at or "its start",
+                )
+                stalled, self._reader = self._reader, None
+                self.reopened += 1
+                await stalled.close()
+                continue
+            self._last = message.position
+            return message
+
+    async def close(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            await reader.close()
 
 
 def client_authentication(authentication: Any) -> tuple[Any, str | Callable[[], str] | None]:

@@ -32,7 +32,7 @@ from ._errors import (
     ReplicaHaltedError,
 )
 from ._machine import StateMachine, identical
-from ._pulsar import LogPosition, PulsarConnection, RawMessage, StateReader
+from ._pulsar import READER_STALL_S, LogPosition, PulsarConnection, RawMessage, StateReader
 from ._records import Adoption
 from ._retry import retry_transient
 from ._telemetry import observe_apply
@@ -69,9 +69,6 @@ class RecordOwner(Protocol):
     def reject(self, record_id: str) -> None: ...
 
 
-# A replica behind a tail it was asked to reach that reads nothing for this long reopens its
-# reader (see Replica._wait_log_watched).
-_STALL_S = 5.0
 # Bytes of records the client may receive ahead of the replica. The client's queue is counted
 # in messages: a replay of records of megabytes queued the whole log (2 GB measured for a
 # 10M-key map of 4 MB records). Reading small records is no faster with more than 64 ahead.
@@ -128,6 +125,7 @@ class Replica(Generic[S, Op]):
         # least the one given into this replica; False if there is none to load.
         self.fall_forward: Callable[[int], Awaitable[bool]] | None = None
         self._behind: tuple[Record, LogPosition] | None = None
+        self._falling_forward = False  # loading a snapshot: no reads meanwhile, no stall
         # Set for a state that stores itself (``durable_state``): each record is committed.
         self.durable: DurableState[S] | None = None
         # The id of this history's first record (None until known): names the history in
@@ -454,8 +452,24 @@ class Replica(Generic[S, Op]):
         assert self.fall_forward is not None
         record, at = self._behind
         self._behind = None
+        logger.info(
+            "%s: message %s is based on position %d, past this replica's %d: falling forward "
+            "to a snapshot",
+            self._topic,
+            at,
+            record.base_position,
+            self.version,
+        )
+        self._falling_forward = True
+        try:
+            await self._fall_forward_to(record, at)
+        finally:
+            self._falling_forward = False
+
+    async def _fall_forward_to(self, record: Record, at: LogPosition) -> None:
         behind_at = self.version
         fall_forward = self.fall_forward
+        assert fall_forward is not None
         deadline = asyncio.get_running_loop().time() + self._context.settings.open_timeout_s
         loaded = await retry_transient(
             lambda: fall_forward(record.base_position),
@@ -710,31 +724,40 @@ class Replica(Generic[S, Op]):
             return
         await self.log_waiter(target)
 
-    async def _wait_log_watched(self, target: LogPosition | None) -> None:
+    async def wait_log_watched(self, target: LogPosition | None) -> None:
         """:meth:`wait_log`, reopening the reader when nothing at all is read for
-        :data:`_STALL_S` while the log holds more: the broker can leave a reader subscribed
+        :data:`READER_STALL_S` while the log holds more: the broker can leave a reader subscribed
         during a topic unload attached to the closed topic, where no message ever comes
         (measured: 1 in about 700 readers opened during unloads)."""
         waiting = asyncio.ensure_future(self.wait_log(target))
         try:
             while True:
-                seen = self._stats.records_read
-                done, _ = await asyncio.wait({waiting}, timeout=_STALL_S)
+                seen = self._progress()
+                done, _ = await asyncio.wait({waiting}, timeout=READER_STALL_S)
                 if done:
                     return waiting.result()
                 reader = self._reader
-                if self._stats.records_read == seen and reader is not None and self.halt is None:
+                if (
+                    self._progress() == seen
+                    and reader is not None
+                    and self.halt is None
+                    and not self._falling_forward  # (reads again once it has loaded)
+                ):
                     logger.warning(
                         "no message from %s for %.0fs while its tail is at %s and this "
                         "replica at %s: reopening the reader",
                         self._topic,
-                        _STALL_S,
+                        READER_STALL_S,
                         target,
                         self.read_to,
                     )
-                    reader.abandon(f"no message for {_STALL_S:.0f}s while behind the tail")
+                    reader.abandon(f"no message for {READER_STALL_S:.0f}s while behind the tail")
         finally:
             waiting.cancel()
+
+    def _progress(self) -> tuple[int, int]:
+        # A fall-forward is progress too: the reader it opens has not read yet.
+        return self._stats.records_read, self._stats.fell_forward
 
     def version_waiter(self, version: int) -> asyncio.Future[None]:
         if version > self.version:
@@ -769,7 +792,7 @@ class Replica(Generic[S, Op]):
             return self.version
         try:
             async with asyncio.timeout_at(deadline):
-                await self._wait_log_watched(target)
+                await self.wait_log_watched(target)
         except TimeoutError as exc:
             raise OperationTimeoutError(
                 f"could not catch up with {self._context.topic} in {timeout}s"

@@ -48,7 +48,7 @@ from ._errors import (
     PulsarStateError,
     WriterBusyError,
 )
-from ._pulsar import LogPosition, PulsarConnection, StateWriter, TailProbe
+from ._pulsar import LogPosition, PulsarConnection, ReopeningReader, StateWriter, TailProbe
 from ._replica import Replica
 from ._retry import is_transient
 
@@ -237,7 +237,7 @@ class SnapshotStore:
         tail = await self._admin.last_position(self.index_topic)
         if tail is None:
             return []
-        reader = await self.conn.create_reader(str(self.index_topic))
+        reader = await ReopeningReader(self.conn, str(self.index_topic)).open()
         found: list[SnapshotManifest] = []
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -272,9 +272,9 @@ class SnapshotStore:
             raise missing
         deadline = asyncio.get_running_loop().time() + self._timeout_s
         # Chunks are big (a megabyte by default): a few ahead are enough to keep reading.
-        reader = await self.conn.create_reader(
-            str(self.data_topic), at=at, prefetch=_CHUNK_PREFETCH
-        )
+        reader = await ReopeningReader(
+            self.conn, str(self.data_topic), at=at, prefetch=_CHUNK_PREFETCH
+        ).open()
         digest, size, due = hashlib.sha256(), 0, 0
         last_seen: LogPosition | None = None
         try:
@@ -329,7 +329,7 @@ class SnapshotStore:
             wait_s = self._timeout_s
         else:
             wait_s = min(self._timeout_s, _PATIENT_CHECK_S if patient else _ABSENT_CHECK_S)
-        reader = await self.conn.create_reader(str(self.state_topic), at=at)
+        reader = await ReopeningReader(self.conn, str(self.state_topic), at=at).open()
         try:
             async with asyncio.timeout(wait_s):
                 message = await reader.read_next()

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from pulsar_state import JsonCodec, PulsarStateError, SnapshotManifest, UnsafeTopicPolicyError
+from pulsar_state._pulsar import LogPosition, PulsarConnection, StateReader
 from pulsar_state._snapshots import SnapshotPolicy, SnapshotStore
 from tests.core.helpers import counter_manager, incr
 from tests.support.broker import admin_request
@@ -112,6 +113,35 @@ async def test_falling_forward_looks_again_when_its_list_of_snapshots_is_stale(
     monkeypatch.setattr(SnapshotPolicy, "fall_forward", fall_forward)
     async with trimming_manager(service_url, topic, admin_url, load_snapshot=False) as replica:
         assert stale["served"] >= 1  # (more if a transient failure made it start over)
+        assert replica.halted is None
+        assert replica.stats.fell_forward == 1
+        assert await replica.read(lambda s: s["count"], latest=True) == count
+
+
+async def test_a_fall_forward_whose_reader_receives_nothing_opens_another(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The broker can leave a reader subscribed while the topic unloads attached to the closed
+    # topic, where nothing ever comes. The fall-forward's check that a snapshot's covered
+    # message is on the log got one in a CI run (a replica opening while the writer trimmed):
+    # it waited the whole open (60 s, "1 records replayed"). Made certain here: that check's
+    # first reader reads an empty topic.
+    count, _ = await trimmed_topic(service_url, admin_url, topic)
+    real_create_reader = PulsarConnection.create_reader
+    stuck: list[LogPosition] = []
+
+    async def create_reader(self: PulsarConnection, of: str, **options: Any) -> StateReader:
+        at = options.get("at")
+        if of == topic and at is not None and not stuck:
+            stuck.append(at)
+            return await real_create_reader(self, f"{of}-nothing", **options)
+        return await real_create_reader(self, of, **options)
+
+    monkeypatch.setattr(PulsarConnection, "create_reader", create_reader)
+    async with trimming_manager(
+        service_url, topic, admin_url, load_snapshot=False, open_timeout_s=20
+    ) as replica:
+        assert stuck  # the fall-forward's check got the reader that reads nothing
         assert replica.halted is None
         assert replica.stats.fell_forward == 1
         assert await replica.read(lambda s: s["count"], latest=True) == count

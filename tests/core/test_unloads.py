@@ -10,11 +10,12 @@ import asyncio
 import logging
 import random
 import time
+from typing import Any
 
 import pulsar
 import pytest
 
-from pulsar_state._pulsar import PulsarConnection
+from pulsar_state._pulsar import PulsarConnection, StateReader
 from tests.core.helpers import counter_manager, incr
 from tests.support.broker import admin_request
 from tests.support.trimming import rest_path
@@ -83,3 +84,32 @@ async def test_a_replica_whose_reader_receives_nothing_replaces_it_to_catch_up(
                 stuck._reader = parked
         finally:
             await asyncio.to_thread(client.close)
+
+
+async def test_a_replica_opening_with_a_reader_that_receives_nothing_replaces_it(
+    service_url: str,
+    admin_url: str,
+    topic: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same stuck reader as above, got by a replica as it opens: its replay to the tail
+    waited for it to the open's deadline."""
+    async with counter_manager(service_url, topic, admin_url) as writer:
+        for _ in range(3):
+            await writer.write(lambda s: [incr()])
+    real_create_reader = PulsarConnection.create_reader
+    stuck: list[str] = []
+
+    async def create_reader(self: PulsarConnection, of: str, **options: Any) -> StateReader:
+        if of == topic and options.get("name") is not None and not stuck:
+            stuck.append(of)  # the replica's own reader (named), the first one
+            return await real_create_reader(self, f"{of}-nothing", **options)
+        return await real_create_reader(self, of, **options)
+
+    monkeypatch.setattr(PulsarConnection, "create_reader", create_reader)
+    with caplog.at_level(logging.WARNING, logger="pulsar_state._replica"):
+        async with counter_manager(service_url, topic, admin_url, open_timeout_s=20) as replica:
+            assert stuck
+            assert await replica.read(lambda s: s["count"]) == 3
+    assert "reopening the reader" in caplog.text
