@@ -99,5 +99,9 @@ async def replay_to_tail(
                 break
             report(started, records_total, bytes_total, done=False)
     finally:
-        waiter.cancel()
+        if not waiter.done():
+            waiter.cancel()
+            await asyncio.wait({waiter})
+        if not waiter.cancelled():
+            waiter.exception()  # (retrieved: a halt racing the open's deadline)
     report(started, records_total, bytes_total, done=True)

@@ -916,6 +916,7 @@ class ReopeningReader:
         self._prefetch = prefetch
         self._last: LogPosition | None = None
         self._reader: StateReader | None = None
+        self._closing: set[asyncio.Future[None]] = set()  # stalled readers being closed
         self.reopened = 0  # readers replaced after a stall (tests, logs)
 
     async def open(self) -> ReopeningReader:
@@ -945,8 +946,14 @@ class ReopeningReader:
                 )
                 stalled, self._reader = self._reader, None
                 self.reopened += 1
-                await stalled.close()
+                # Closed meanwhile, not first: a reader stuck on a closed topic may be slow
+                # to close (up to _CLOSE_TIMEOUT_S), time the caller's wait has not to spare.
+                closing = asyncio.ensure_future(stalled.close())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
                 continue
+            if self._last is not None and message.position <= self._last:
+                continue  # (a start is exclusive, so never: but a chunk read twice is corrupt)
             self._last = message.position
             return message
 
@@ -954,6 +961,8 @@ class ReopeningReader:
         reader, self._reader = self._reader, None
         if reader is not None:
             await reader.close()
+        if self._closing:
+            await asyncio.wait(self._closing)
 
 
 def client_authentication(authentication: Any) -> tuple[Any, str | Callable[[], str] | None]:

@@ -729,18 +729,24 @@ class Replica(Generic[S, Op]):
         :data:`READER_STALL_S` while the log holds more: the broker can leave a reader subscribed
         during a topic unload attached to the closed topic, where no message ever comes
         (measured: 1 in about 700 readers opened during unloads)."""
+        if target is None or self.reached(target):
+            self.check_running()
+            return
         waiting = asyncio.ensure_future(self.wait_log(target))
         try:
             while True:
-                seen = self._progress()
+                # The same reader having read nothing for a whole wait: one replaced meanwhile
+                # (by the pump, a fall-forward) has not had its chance yet.
+                seen, reader = self._stats.records_read, self._reader
                 done, _ = await asyncio.wait({waiting}, timeout=READER_STALL_S)
                 if done:
                     return waiting.result()
-                reader = self._reader
                 if (
-                    self._progress() == seen
+                    self._stats.records_read == seen
                     and reader is not None
+                    and reader is self._reader
                     and self.halt is None
+                    and not self._context.closed
                     and not self._falling_forward  # (reads again once it has loaded)
                 ):
                     logger.warning(
@@ -754,10 +760,6 @@ class Replica(Generic[S, Op]):
                     reader.abandon(f"no message for {READER_STALL_S:.0f}s while behind the tail")
         finally:
             waiting.cancel()
-
-    def _progress(self) -> tuple[int, int]:
-        # A fall-forward is progress too: the reader it opens has not read yet.
-        return self._stats.records_read, self._stats.fell_forward
 
     def version_waiter(self, version: int) -> asyncio.Future[None]:
         if version > self.version:

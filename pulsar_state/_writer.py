@@ -162,6 +162,8 @@ class ReadSide(Protocol):
 
     async def wait_log(self, target: LogPosition | None) -> None: ...
 
+    async def wait_log_watched(self, target: LogPosition | None) -> None: ...
+
     def reached(self, target: LogPosition | None) -> bool: ...
 
     def apply_own(
@@ -785,7 +787,7 @@ class Writer:
             deadline=deadline,
             what=f"capturing the tail of {self._topic}",
         )
-        await self._replica.wait_log(tail)
+        await self._replica.wait_log_watched(tail)  # (a reader stuck on a closed topic)
 
     async def _bounded(self, awaitable: Awaitable[None], what: str) -> None:
         timeout = self._settings.write_timeout_s

@@ -113,3 +113,32 @@ async def test_a_replica_opening_with_a_reader_that_receives_nothing_replaces_it
             assert stuck
             assert await replica.read(lambda s: s["count"]) == 3
     assert "reopening the reader" in caplog.text
+
+
+async def test_a_writer_whose_reader_receives_nothing_replaces_it_to_catch_up(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writer's catch-up, once it has the producer, reads to the tail: with the reader
+    stuck, each write waited to its timeout."""
+    options: dict[str, Any] = {"relay_writes": False, "write_timeout_s": 15.0}
+    async with (
+        counter_manager(service_url, topic, admin_url, **options) as other,
+        counter_manager(service_url, topic, admin_url, **options) as writer,
+    ):
+        await writer.write(lambda s: [incr()])
+        client = pulsar.Client(service_url)
+        try:
+            nothing = client.create_reader(topic + "-empty", pulsar.MessageId.earliest)
+            stuck = writer._replica._reader
+            stuck._reader, parked = nothing, stuck._reader
+            try:
+                await asyncio.sleep(0.5)  # the poll under way on the real reader ends first
+                await other.write(lambda s: [incr()])  # takes the producer from the writer
+                with caplog.at_level(logging.WARNING, logger="pulsar_state._replica"):
+                    await writer.write(lambda s: [incr()])  # takes it back: catches up first
+                assert "reopening the reader" in caplog.text
+                assert await writer.read(lambda s: s["count"]) == 3
+            finally:
+                stuck._reader = parked
+        finally:
+            await asyncio.to_thread(client.close)
