@@ -129,7 +129,8 @@ class Assembly(Generic[S, Op]):
         self.writer: Writer | None = None
         self.relay: Relay | None = None
         self.pump_task: asyncio.Task[None] | None = None
-        self._tasks: list[asyncio.Task[None]] = []  # writer, deadlines (the pump is apart)
+        # writer, deadlines, reader watch, relay (the pump is apart)
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def open(self, deadline: float) -> None:
         options, context, replica, admin = self._options, self._context, self._replica, self._admin
@@ -238,6 +239,9 @@ class Assembly(Generic[S, Op]):
             asyncio.create_task(self.writer.run(), name=f"pulsar-state-writer-{topic}"),
             asyncio.create_task(
                 self._pending.watch_deadlines(), name=f"pulsar-state-deadlines-{topic}"
+            ),
+            asyncio.create_task(
+                replica.watch_reading(self._tail.position), name=f"pulsar-state-watch-{topic}"
             ),
         ]
         if self.relay is not None:

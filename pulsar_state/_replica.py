@@ -49,6 +49,9 @@ H = TypeVar("H")
 
 # Pause before replacing a reader that failed for good (the client reconnects by itself).
 _REOPEN_PAUSE_S = 0.5
+# A replica that has read nothing for this long asks for the log's tail, and replaces its
+# reader if it is behind and the reader stays silent (see Replica.watch_reading).
+_WATCH_S = 10.0
 
 
 class Claim(Protocol):
@@ -760,6 +763,25 @@ class Replica(Generic[S, Op]):
                     reader.abandon(f"no message for {READER_STALL_S:.0f}s while behind the tail")
         finally:
             waiting.cancel()
+
+    async def watch_reading(self, tail: Callable[[], Awaitable[LogPosition | None]]) -> None:
+        """Until closed or halted: after each :data:`_WATCH_S` in which nothing was read,
+        ask for the log's ``tail`` and read up to it watched (:meth:`wait_log_watched`), so a
+        reader stuck on a closed topic is replaced even when nobody waits for a position;
+        else watches and local reads would go stale without an error. One tail request per
+        quiet ``_WATCH_S``; none while records come."""
+        while not self._context.closed and self.halt is None:
+            seen = self._stats.records_read
+            await asyncio.sleep(_WATCH_S)
+            if self._stats.records_read != seen or self._falling_forward:
+                continue
+            try:
+                target = await tail()
+                async with asyncio.timeout(READER_STALL_S + _WATCH_S):
+                    await self.wait_log_watched(target)
+            except (PulsarStateError, TimeoutError) as exc:
+                # Closed, halted (the loop ends) or the broker away: the next look tries again.
+                logger.debug("watching the reader of %s: %r", self._topic, exc)
 
     def version_waiter(self, version: int) -> asyncio.Future[None]:
         if version > self.version:

@@ -142,3 +142,39 @@ async def test_a_writer_whose_reader_receives_nothing_replaces_it_to_catch_up(
                 stuck._reader = parked
         finally:
             await asyncio.to_thread(client.close)
+
+
+async def test_a_follower_whose_reader_receives_nothing_replaces_it_unasked(
+    service_url: str,
+    admin_url: str,
+    topic: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A replica nobody asks to catch up (it only follows: watches, local reads) went stale
+    for good, without an error, once its reader was stuck."""
+    monkeypatch.setattr("pulsar_state._replica._WATCH_S", 1.0)  # (10 s by default)
+    async with (
+        counter_manager(service_url, topic, admin_url) as writer,
+        counter_manager(service_url, topic, admin_url) as follower,
+    ):
+        await writer.write(lambda s: [incr()])
+        assert await follower.read(lambda s: s["count"], latest=True) == 1
+        client = pulsar.Client(service_url)
+        try:
+            nothing = client.create_reader(topic + "-empty", pulsar.MessageId.earliest)
+            stuck = follower._replica._reader
+            stuck._reader, parked = nothing, stuck._reader
+            try:
+                await asyncio.sleep(0.5)  # the poll under way on the real reader ends first
+                await writer.write(lambda s: [incr()])
+                with caplog.at_level(logging.WARNING, logger="pulsar_state._replica"):
+                    deadline = time.monotonic() + 20
+                    while follower.read_local(lambda s: s["count"]) != 2:
+                        assert time.monotonic() < deadline, "the follower stayed stale"
+                        await asyncio.sleep(0.1)
+                assert "reopening the reader" in caplog.text
+            finally:
+                stuck._reader = parked
+        finally:
+            await asyncio.to_thread(client.close)
