@@ -241,7 +241,8 @@ class Assembly(Generic[S, Op]):
                 self._pending.watch_deadlines(), name=f"pulsar-state-deadlines-{topic}"
             ),
             asyncio.create_task(
-                replica.watch_reading(self._tail.position), name=f"pulsar-state-watch-{topic}"
+                replica.watch_reading(self._tail.position_in_current_ledger),
+                name=f"pulsar-state-watch-{topic}",
             ),
         ]
         if self.relay is not None:

@@ -768,20 +768,32 @@ class Replica(Generic[S, Op]):
         """Until closed or halted: after each :data:`_WATCH_S` in which nothing was read,
         ask for the log's ``tail`` and read up to it watched (:meth:`wait_log_watched`), so a
         reader stuck on a closed topic is replaced even when nobody waits for a position;
-        else watches and local reads would go stale without an error. One tail request per
-        quiet ``_WATCH_S``; none while records come."""
+        else watches and local reads would go stale without an error. One binary tail
+        request per quiet ``_WATCH_S`` (None from ``tail``: nothing to look for); none while
+        records come, nor while the reader is paused (a holder's: it looks at the log by
+        itself, and its own next record must not be read back before its acknowledgement)."""
         while not self._context.closed and self.halt is None:
             seen = self._stats.records_read
             await asyncio.sleep(_WATCH_S)
-            if self._stats.records_read != seen or self._falling_forward:
+            reader = self._reader
+            if (
+                self._stats.records_read != seen
+                or self._falling_forward
+                or reader is None
+                or reader.paused
+            ):
                 continue
             try:
                 target = await tail()
+                if target is None or self.reached(target):
+                    continue
                 async with asyncio.timeout(READER_STALL_S + _WATCH_S):
                     await self.wait_log_watched(target)
             except (PulsarStateError, TimeoutError) as exc:
                 # Closed, halted (the loop ends) or the broker away: the next look tries again.
                 logger.debug("watching the reader of %s: %r", self._topic, exc)
+            except Exception:  # a bug: logged, and the watch goes on
+                logger.warning("watching the reader of %s failed", self._topic, exc_info=True)
 
     def version_waiter(self, version: int) -> asyncio.Future[None]:
         if version > self.version:

@@ -82,6 +82,16 @@ class Tail:
             )
         return await self._admin.last_position(self._topic)
 
+    async def position_in_current_ledger(self) -> LogPosition | None:
+        """The last message's position if it is in the broker's current ledger, else None (an
+        empty topic, or a ledger just opened): one probe round trip, no admin request, not
+        shared with :meth:`position`'s callers. For a background look, not for a read that
+        must see every write completed before it."""
+        if self._probe is None:
+            raise ClosedError(f"the tail probe of {self._topic} is not open")
+        position = await self._probe.last_id()
+        return position if position is not None and position.entry >= 0 else None
+
     async def trim_through(self, position: LogPosition) -> None:
         """Let the broker delete the topic's ledgers wholly at or before ``position``."""
         if self._probe is None:

@@ -63,3 +63,21 @@ async def test_a_cancelled_reader_does_not_fail_the_others() -> None:
     probe.asked[1].set()
     assert await second == LogPosition(1, 0)
     assert first.cancelled()
+
+
+async def test_the_background_look_asks_the_probe_only() -> None:
+    # No admin client: a ledger just opened (entry -1) would need one. The look skips it
+    # instead (a stuck reader matters once someone writes, and a write fills the ledger).
+    tail = Tail(TopicName.parse("t"), None)
+    probe = CuedProbe()
+    tail._probe = probe  # type: ignore[assignment]
+    for answer, expected in [
+        (LogPosition(7, 3), LogPosition(7, 3)),
+        (LogPosition(8, -1), None),
+        (None, None),
+    ]:
+        probe.tail = answer  # type: ignore[assignment]
+        look = asyncio.ensure_future(tail.position_in_current_ledger())
+        await settle()
+        probe.asked[-1].set()
+        assert await look == expected
