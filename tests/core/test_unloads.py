@@ -1,15 +1,18 @@
 """A topic being unloaded (a ledger closed, trimming, a broker handing it over) is a short
 outage that readers opened meanwhile must ride out in seconds, not at the client's timeout;
 and a reader left receiving nothing (the broker can attach one subscribed during an unload to
-the closed topic) is replaced once a replica that must catch up reads nothing.
+the closed topic) is replaced once a replica that must reach a position reads nothing: as it
+opens, for a linearizable read, for a writer's catch-up, and unasked while it only follows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pulsar
@@ -25,6 +28,24 @@ pytestmark = [pytest.mark.fault]
 ROUNDS = 60
 # The client's operation timeout is 30 s: an open that waits it out fails here.
 OPEN_BOUND_S = 15.0
+
+
+@contextlib.asynccontextmanager
+async def reading_nothing(manager: Any, service_url: str, topic: str) -> AsyncIterator[None]:
+    """``manager``'s reader thread polls a reader of an empty topic meanwhile: nothing ever
+    comes, as from a reader the broker attached to a closed topic."""
+    client = pulsar.Client(service_url)
+    try:
+        nothing = client.create_reader(topic + "-empty", pulsar.MessageId.earliest)
+        stuck = manager._replica._reader
+        stuck._reader, parked = nothing, stuck._reader
+        try:
+            await asyncio.sleep(0.5)  # the poll under way on the real reader ends first
+            yield
+        finally:
+            stuck._reader = parked
+    finally:
+        await asyncio.to_thread(client.close)
 
 
 async def test_readers_opened_while_the_topic_unloads_open_in_seconds(
@@ -67,23 +88,11 @@ async def test_a_replica_whose_reader_receives_nothing_replaces_it_to_catch_up(
     ):
         await writer.write(lambda s: [incr()])
         assert await replica.read(lambda s: s["count"], latest=True) == 1
-        # The replica's reader thread now polls a reader of an empty topic: nothing ever
-        # comes, as from a reader the broker attached to a closed topic.
-        client = pulsar.Client(service_url)
-        try:
-            nothing = client.create_reader(topic + "-empty", pulsar.MessageId.earliest)
-            stuck = replica._replica._reader
-            stuck._reader, parked = nothing, stuck._reader
-            try:
-                await asyncio.sleep(0.5)  # the poll under way on the real reader ends first
-                await writer.write(lambda s: [incr()])
-                with caplog.at_level(logging.WARNING, logger="pulsar_state._replica"):
-                    assert await replica.read(lambda s: s["count"], latest=True) == 2
-                assert "reopening the reader" in caplog.text
-            finally:
-                stuck._reader = parked
-        finally:
-            await asyncio.to_thread(client.close)
+        async with reading_nothing(replica, service_url, topic):
+            await writer.write(lambda s: [incr()])
+            with caplog.at_level(logging.WARNING, logger="pulsar_state._replica"):
+                assert await replica.read(lambda s: s["count"], latest=True) == 2
+            assert "reopening the reader" in caplog.text
 
 
 async def test_a_replica_opening_with_a_reader_that_receives_nothing_replaces_it(
@@ -126,22 +135,12 @@ async def test_a_writer_whose_reader_receives_nothing_replaces_it_to_catch_up(
         counter_manager(service_url, topic, admin_url, **options) as writer,
     ):
         await writer.write(lambda s: [incr()])
-        client = pulsar.Client(service_url)
-        try:
-            nothing = client.create_reader(topic + "-empty", pulsar.MessageId.earliest)
-            stuck = writer._replica._reader
-            stuck._reader, parked = nothing, stuck._reader
-            try:
-                await asyncio.sleep(0.5)  # the poll under way on the real reader ends first
-                await other.write(lambda s: [incr()])  # takes the producer from the writer
-                with caplog.at_level(logging.WARNING, logger="pulsar_state._replica"):
-                    await writer.write(lambda s: [incr()])  # takes it back: catches up first
-                assert "reopening the reader" in caplog.text
-                assert await writer.read(lambda s: s["count"]) == 3
-            finally:
-                stuck._reader = parked
-        finally:
-            await asyncio.to_thread(client.close)
+        async with reading_nothing(writer, service_url, topic):
+            await other.write(lambda s: [incr()])  # takes the producer from the writer
+            with caplog.at_level(logging.WARNING, logger="pulsar_state._replica"):
+                await writer.write(lambda s: [incr()])  # takes it back: catches up first
+            assert "reopening the reader" in caplog.text
+            assert await writer.read(lambda s: s["count"]) == 3
 
 
 async def test_a_follower_whose_reader_receives_nothing_replaces_it_unasked(
@@ -160,21 +159,11 @@ async def test_a_follower_whose_reader_receives_nothing_replaces_it_unasked(
     ):
         await writer.write(lambda s: [incr()])
         assert await follower.read(lambda s: s["count"], latest=True) == 1
-        client = pulsar.Client(service_url)
-        try:
-            nothing = client.create_reader(topic + "-empty", pulsar.MessageId.earliest)
-            stuck = follower._replica._reader
-            stuck._reader, parked = nothing, stuck._reader
-            try:
-                await asyncio.sleep(0.5)  # the poll under way on the real reader ends first
-                await writer.write(lambda s: [incr()])
-                with caplog.at_level(logging.WARNING, logger="pulsar_state._replica"):
-                    deadline = time.monotonic() + 20
-                    while follower.read_local(lambda s: s["count"]) != 2:
-                        assert time.monotonic() < deadline, "the follower stayed stale"
-                        await asyncio.sleep(0.1)
-                assert "reopening the reader" in caplog.text
-            finally:
-                stuck._reader = parked
-        finally:
-            await asyncio.to_thread(client.close)
+        async with reading_nothing(follower, service_url, topic):
+            await writer.write(lambda s: [incr()])
+            with caplog.at_level(logging.WARNING, logger="pulsar_state._replica"):
+                deadline = time.monotonic() + 20
+                while follower.read_local(lambda s: s["count"]) != 2:
+                    assert time.monotonic() < deadline, "the follower stayed stale"
+                    await asyncio.sleep(0.1)
+            assert "reopening the reader" in caplog.text
