@@ -9,6 +9,7 @@ makes a latest read and then, depending on its mode (taken in turn):
 * ``async-close``: closes both (``aclose``) inside ``asyncio.run``;
 * ``sync-close``: the blocking facades (SyncSharedStateManager, SyncPulsarMap), closed;
 * ``async-unclosed``: returns from ``asyncio.run`` without closing anything;
+* ``uvloop-close``, ``uvloop-unclosed``: the same two on uvloop's event loop;
 * ``sync-unclosed``: the blocking facades, never closed (their portal loop still runs at exit);
 * ``spark-cache``: a map from the Spark integration's per-process cache, left for its
   ``atexit`` hook to close (no Spark needed).
@@ -37,7 +38,15 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-MODES = ("async-close", "sync-close", "async-unclosed", "sync-unclosed", "spark-cache")
+MODES = (
+    "async-close",
+    "sync-close",
+    "async-unclosed",
+    "sync-unclosed",
+    "spark-cache",
+    "uvloop-close",
+    "uvloop-unclosed",
+)
 # A child still running after _HANG_S prints its threads' stacks and exits 1 (faulthandler);
 # one that cannot even do that is killed at _CHILD_TIMEOUT_S and reported as exit -999.
 _HANG_S = int(os.environ.get("EXIT_LOOP_HANG_S", "120"))
@@ -129,6 +138,11 @@ def child(mode: str, url: str, admin_url: str, topic: str) -> None:
     faulthandler.dump_traceback_later(_HANG_S, exit=True)
     if mode in ("async-close", "async-unclosed"):
         asyncio.run(_async_child(url, admin_url, topic, close=mode == "async-close"))
+    elif mode in ("uvloop-close", "uvloop-unclosed"):
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(_async_child(url, admin_url, topic, close=mode == "uvloop-close"))
     elif mode in ("sync-close", "sync-unclosed"):
         _sync_child(url, admin_url, topic, close=mode == "sync-close")
     elif mode == "spark-cache":

@@ -23,7 +23,9 @@ Two figures per system, each from separate OS processes on this machine:
 The systems:
 
 * ``library``: :class:`recipes.Ownership` (one table topic, one resource), ``acquire`` with
-  its default keep-alive, then ``release``.
+  its default keep-alive, then ``release``; its workers on asyncio's own event loop.
+* ``library on uvloop``: the same, its workers on uvloop's event loop (skipped with a message
+  when uvloop is not installed; the ``bench`` extra brings it).
 * ``zookeeper``: ZooKeeper 3.8 (Debian package ``zookeeper``) with kazoo's ``Lock`` (the
   ``bench`` extra). Started here on a free port with ``forceSync=no``: the Pulsar standalone
   broker does not fsync either.
@@ -73,6 +75,9 @@ from benchmarks.run import Metric, environment, percentile, table  # noqa: E402
 from pulsar_state.testing import provide_broker  # noqa: E402
 
 SYSTEMS = ("library", "zookeeper", "etcd")
+# The library's workers run on asyncio's own event loop, and again on uvloop's when it is
+# installed (the uvloop extra), under this label.
+UVLOOP_LABEL = "library on uvloop"
 LOCK_NAME = "bench"
 ZOOKEEPER_JAR = Path(os.environ.get("ZOOKEEPER_JAR", "/usr/share/java/zookeeper.jar"))
 # Every wait on a worker is bounded: a stuck peer fails the run instead of hanging it.
@@ -281,10 +286,27 @@ async def _work(system: str, target: dict[str, Any], conn: Connection) -> None:
 def worker(system: str, target: dict[str, Any], conn: Connection) -> None:
     """One process's side of the protocol: commands in, results (or the error) out."""
     try:
-        asyncio.run(_work(system, target, conn))
+        with asyncio.Runner(loop_factory=_loop_factory(target.get("loop", "asyncio"))) as runner:
+            runner.run(_work(system, target, conn))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         raise
+
+
+def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None  # asyncio's own
+
+
+def uvloop_missing() -> str | None:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "uvloop is not installed (pip install -e '.[uvloop]')"
+    return None
 
 
 class Worker:
@@ -742,12 +764,17 @@ def run(
             if system == "library":
                 broker = provide_broker(service_url, admin_url)
                 servers.callback(broker.stop)
+                if (missing := uvloop_missing()) is not None:
+                    say(f"... {UVLOOP_LABEL}: SKIPPED: {missing}")
+                    skipped[UVLOOP_LABEL] = missing
                 for label, options in _library_variants(idle_release_s, without_relay):
+                    loop = options.pop("loop", "asyncio")
                     target = {
                         "service_url": broker.service_url,
                         "admin_url": broker.admin_url,
                         "topic": f"persistent://public/default/lockbench-{uuid.uuid4().hex[:8]}",
                         "options": options,
+                        "loop": loop,
                     }
                     entries.append((system, target, label))
                 continue
@@ -785,6 +812,8 @@ def _library_variants(
     idle_release_s: Sequence[float], without_relay: bool
 ) -> list[tuple[str, dict[str, Any]]]:
     variants: list[tuple[str, dict[str, Any]]] = [("library", {})]
+    if uvloop_missing() is None:
+        variants.append((UVLOOP_LABEL, {"loop": "uvloop"}))
     variants += [
         (f"library idle_release_s={idle:g}", {"idle_release_s": idle}) for idle in idle_release_s
     ]
@@ -826,12 +855,10 @@ def _measure_floors(
 
 
 def metrics(results: list[SystemResult], skipped: dict[str, str]) -> list[Metric]:
-    """The library against the faster peer, one Metric per figure."""
+    """The library (and the library on uvloop, when measured) against the faster peer, one
+    Metric per figure."""
     by_system = {r.system: r for r in results}
-    library = by_system.get("library")
     peers = [r for r in results if not r.system.startswith("library")]
-    if library is None:
-        return []
     out = []
     figures = [
         ("uncontended_p50_ms", "lock acquire+release uncontended p50"),
@@ -841,33 +868,47 @@ def metrics(results: list[SystemResult], skipped: dict[str, str]) -> list[Metric
         ("handover_at_once_p50_ms", "lock handover, released as the waiter queues, p50"),
         ("handover_at_once_p99_ms", "lock handover, released as the waiter queues, p99"),
     ]
-    if library.after_idle_rounds:
-        figures.append(("after_idle_p50_ms", "lock acquire+release after 0.5-1.5 s idle p50"))
-    for field_name, label in figures:
-        mine = float(getattr(library, field_name))
-        details: dict[str, Any] = {r.system: getattr(r, field_name) for r in results}
-        details["load average"] = os.getloadavg()[0]
-        details.update({f"{name} skipped": why for name, why in skipped.items()})
-        if peers:
-            best = min(peers, key=lambda r: float(getattr(r, field_name)))
-            baseline = float(getattr(best, field_name))
-            note = f"baseline: the faster peer ({best.system})"
-        else:
-            baseline, note = 0.0, "no peer measured"
-        out.append(
-            Metric(
-                label,
-                "ms",
-                mine,
-                baseline,
-                "<= the faster peer",
-                bool(peers) and mine <= baseline,
-                ratio=mine / baseline if baseline else 0.0,
-                note=note,
-                details=details,
-            )
-        )
+    for name, suffix in (("library", ""), (UVLOOP_LABEL, " (uvloop)")):
+        library = by_system.get(name)
+        if library is None:
+            continue
+        shown = list(figures)
+        if library.after_idle_rounds:
+            shown.append(("after_idle_p50_ms", "lock acquire+release after 0.5-1.5 s idle p50"))
+        for field_name, label in shown:
+            out.append(_against_peers(library, peers, results, skipped, field_name, label + suffix))
     return out
+
+
+def _against_peers(
+    library: SystemResult,
+    peers: list[SystemResult],
+    results: list[SystemResult],
+    skipped: dict[str, str],
+    field_name: str,
+    label: str,
+) -> Metric:
+    mine = float(getattr(library, field_name))
+    details: dict[str, Any] = {r.system: getattr(r, field_name) for r in results}
+    details["load average"] = os.getloadavg()[0]
+    details.update({f"{name} skipped": why for name, why in skipped.items()})
+    if peers:
+        best = min(peers, key=lambda r: float(getattr(r, field_name)))
+        baseline = float(getattr(best, field_name))
+        note = f"baseline: the faster peer ({best.system})"
+    else:
+        baseline, note = 0.0, "no peer measured"
+    return Metric(
+        label,
+        "ms",
+        mine,
+        baseline,
+        "<= the faster peer",
+        bool(peers) and mine <= baseline,
+        ratio=mine / baseline if baseline else 0.0,
+        note=note,
+        details=details,
+    )
 
 
 def side_by_side(results: list[SystemResult]) -> str:

@@ -7,10 +7,16 @@ The plugin (entry point ``pytest11``) brings the options and the ``pulsar_broker
   --pulsar-standalone PATH  the scripts/pulsar-standalone to run (default: this checkout's)
   --no-broker-ok            when no broker can be had, xfail broker tests instead of
                             failing. Refused under CI: there a missing broker fails the run.
+PULSAR_STATE_TEST_LOOP=uvloop runs every async test on uvloop's event loop instead of asyncio's
+(tests/core/test_event_loops.py runs a few on it in every run).
 The fixtures below are this suite's historical names for them.
 """
 
 from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Mapping
 
 import pytest
 
@@ -24,6 +30,22 @@ def pytest_configure(config: pytest.Config) -> None:
             "the pulsar_state.testing plugin is not loaded: reinstall the package "
             "(scripts/bootstrap) so its pytest11 entry point is registered"
         )
+
+
+_TEST_LOOP = os.environ.get("PULSAR_STATE_TEST_LOOP", "asyncio")
+if _TEST_LOOP not in ("asyncio", "uvloop"):
+    raise pytest.UsageError(f"PULSAR_STATE_TEST_LOOP is asyncio or uvloop, not {_TEST_LOOP!r}")
+
+if _TEST_LOOP == "uvloop":  # else pytest-asyncio's default: asyncio's loop
+
+    def pytest_asyncio_loop_factories(
+        config: pytest.Config, item: pytest.Item
+    ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+        if item.get_closest_marker("stock_asyncio") is not None:
+            return {"asyncio": asyncio.new_event_loop}
+        import uvloop
+
+        return {"uvloop": uvloop.new_event_loop}
 
 
 def _needs_broker(item: pytest.Item) -> bool:

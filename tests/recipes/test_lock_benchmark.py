@@ -42,8 +42,11 @@ def test_library_rounds_through_the_cli(broker: Broker, tmp_path: Path, blocks: 
     document = json.loads(out.read_text())
     assert document["metrics"] == ["kept"]  # run.py's section is left alone
     assert document["locks"]["blocks"] == blocks
-    [library] = document["locks"]["systems"]
+    # The library's workers on asyncio's loop, then on uvloop's (the test extra installs it).
+    library, on_uvloop = document["locks"]["systems"]
     assert library["system"] == "library"
+    assert on_uvloop["system"] == locks.UVLOOP_LABEL
+    assert on_uvloop["uncontended_rounds"] == 5
     assert library["uncontended_rounds"] == 5
     assert library["handover_rounds"] == 3
     # A handover is measured from the holder's release to the waiter's grant: never negative,
@@ -65,7 +68,9 @@ def test_library_rounds_through_the_cli(broker: Broker, tmp_path: Path, blocks: 
     # No peer measured: the metrics say so instead of claiming the target.
     found = document["locks"]["metrics"]
     assert all(not m["met"] and m["note"] == "no peer measured" for m in found)
-    assert found[-1]["name"] == "lock acquire+release after 0.5-1.5 s idle p50"
+    names = [m["name"] for m in found]
+    assert "lock acquire+release after 0.5-1.5 s idle p50" in names
+    assert names[-1] == "lock acquire+release after 0.5-1.5 s idle p50 (uvloop)"
 
 
 def result(system: str, p50: float) -> locks.SystemResult:
@@ -94,6 +99,18 @@ def test_metrics_with_a_skipped_peer_and_library_variants() -> None:
     assert [m.baseline for m in found][:1] == [4.0]  # a library variant is no peer
     assert found[0].met
     assert found[0].details["zookeeper skipped"] == "no ZooKeeper"
+
+
+def test_metrics_of_the_library_on_uvloop_follow_those_on_asyncio() -> None:
+    found = locks.metrics(
+        [result("library", 3.0), result(locks.UVLOOP_LABEL, 1.0), result("zookeeper", 2.0)],
+        {},
+    )
+    assert len(found) == 12
+    on_uvloop = found[6]
+    assert on_uvloop.name == "lock acquire+release uncontended p50 (uvloop)"
+    assert (on_uvloop.library, on_uvloop.baseline, on_uvloop.met) == (1.0, 2.0, True)
+    assert not found[0].met  # asyncio's: 3.0 against 2.0
 
 
 def test_rounds_are_shared_out_between_the_blocks() -> None:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pulsar_state._writer import _IdleWait
+
+# Counts the timers of asyncio's own loop (uvloop keeps its timers in libuv).
+pytestmark = pytest.mark.stock_asyncio
 
 
 def _timers(loop: asyncio.AbstractEventLoop) -> int:
