@@ -9,10 +9,11 @@ makes a latest read and then, depending on its mode (taken in turn):
 * ``async-close``: closes both (``aclose``) inside ``asyncio.run``;
 * ``sync-close``: the blocking facades (SyncSharedStateManager, SyncPulsarMap), closed;
 * ``async-unclosed``: returns from ``asyncio.run`` without closing anything;
-* ``uvloop-close``, ``uvloop-unclosed``: the same two on uvloop's event loop;
 * ``sync-unclosed``: the blocking facades, never closed (their portal loop still runs at exit);
 * ``spark-cache``: a map from the Spark integration's per-process cache, left for its
-  ``atexit`` hook to close (no Spark needed).
+  ``atexit`` hook to close (no Spark needed);
+* ``uvloop-close``, ``uvloop-unclosed``: as ``async-close`` and ``async-unclosed``, on uvloop's
+  event loop.
 
 and then exits normally (no ``os._exit``): interpreter shutdown is what is being tested. A
 crash there is SIGABRT (``terminate called without an active exception``) or SIGSEGV. Prints

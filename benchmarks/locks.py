@@ -394,7 +394,9 @@ class Pair:
         self.alone: list[float] = []
         self.gaps: dict[float, list[float]] = {QUEUED_S: [], 0: []}
         self.after_idle: list[float] = []
-        self._idle_draws = random.Random(f"after-idle {self.label}")
+        # Seeded by the system: the library's variants (its loops, its settings) wait out the
+        # same pauses, so their after-idle figures differ by the variant alone.
+        self._idle_draws = random.Random(f"after-idle {system}")
 
     def warm(self, warmup: int) -> None:
         # The same warm-up for every system (connections, caches, a JVM's compiled paths):
@@ -740,7 +742,8 @@ def run(
     floor: dict[str, float] | None = None,
     blocks: int = 1,
 ) -> tuple[list[SystemResult], dict[str, str]]:
-    """Measure the systems; returns the results and the skipped peers' reasons.
+    """Measure the systems; returns the results and, for each system or library variant
+    skipped (a peer or uvloop not installed), the reason.
 
     ``blocks`` > 1: every system's server and worker processes are up together and the
     systems take turns, ``blocks`` times (see :func:`measure_interleaved`); 1: each system

@@ -13,6 +13,7 @@ import functools
 import heapq
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -146,7 +147,8 @@ class PendingWrites:
             deadline=loop.time() + timeout,
             write_seq=next(self._write_seq),
         )
-        pending.future.add_done_callback(functools.partial(self._observe, loop.time()))
+        # perf_counter, not loop.time(): uvloop's clock counts whole milliseconds.
+        pending.future.add_done_callback(functools.partial(self._observe, time.perf_counter()))
         self.queue.append(pending)
         heapq.heappush(self.deadlines, (pending.deadline, pending.write_seq, pending))
         if self.on_submit is None or not self.on_submit():
@@ -159,7 +161,7 @@ class PendingWrites:
         else:
             failure = future.exception()
             error = None if failure is None else type(failure).__name__
-        seconds = future.get_loop().time() - submitted
+        seconds = time.perf_counter() - submitted
         observe_write(self._stats, self._context.attributes, seconds, error)
 
     def take(self, count: int) -> list[PendingWrite]:

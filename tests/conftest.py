@@ -24,6 +24,8 @@ from pulsar_state.testing import Broker
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if _TEST_LOOP not in ("asyncio", "uvloop"):
+        raise pytest.UsageError(f"PULSAR_STATE_TEST_LOOP is asyncio or uvloop, not {_TEST_LOOP!r}")
     # Without the entry point (a stale install) the fixtures below would be missing; say why.
     if not config.pluginmanager.hasplugin("pulsar_state"):
         raise pytest.UsageError(
@@ -33,8 +35,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _TEST_LOOP = os.environ.get("PULSAR_STATE_TEST_LOOP", "asyncio")
-if _TEST_LOOP not in ("asyncio", "uvloop"):
-    raise pytest.UsageError(f"PULSAR_STATE_TEST_LOOP is asyncio or uvloop, not {_TEST_LOOP!r}")
 
 if _TEST_LOOP == "uvloop":  # else pytest-asyncio's default: asyncio's loop
 

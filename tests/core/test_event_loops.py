@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import uvloop  # the test extra installs it
 
-from pulsar_state import AppliedRecord
+from pulsar_state import AppliedRecord, ApplyError
 from tests.core.helpers import counter_manager, incr, seen_by
 
 
@@ -48,3 +49,22 @@ def test_two_managers_on_uvloop_write_read_and_watch_in_log_order(
             assert seen[-1] == b.position
 
     run_on_uvloop(main())
+
+
+def test_write_latencies_on_uvloop_are_not_rounded_to_its_milliseconds(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # They were timed with loop.time(), which uvloop counts in whole milliseconds: writes of
+    # 0.1 ms were seen as 0 or 1 ms, and the histogram's sub-millisecond buckets meant nothing.
+    async def main() -> float:
+        async with counter_manager(service_url, topic, admin_url) as manager:
+            await manager.write(lambda s: [incr()])  # the writer is now held: no I/O below
+            before = manager.stats.write_latency.sum_s
+            for _ in range(20):
+                with pytest.raises(ApplyError):  # refused on the trial state: sub-millisecond
+                    await manager.write(lambda s: [{"op": "no such op"}])
+            return manager.stats.write_latency.sum_s - before
+
+    observed_ms = run_on_uvloop(main()) * 1000
+    assert observed_ms > 0
+    assert abs(observed_ms - round(observed_ms)) > 1e-6, observed_ms

@@ -191,8 +191,8 @@ async def test_same_position_other_base_record_halts_as_forked_history(
 # ---------------------------------------------------------------- (h) smaller defects
 
 
-# uvloop reads its clock once per loop turn: a 1 us deadline has not passed when the write is
-# built in the same turn, and the write lands.
+# uvloop's clock counts whole milliseconds: a deadline 1 us away has not passed when the
+# write is built within the same millisecond, and the write lands.
 @pytest.mark.stock_asyncio
 async def test_writes_expiring_while_acquiring_log_no_error(
     service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
