@@ -770,7 +770,8 @@ def run(
                 if (missing := uvloop_missing()) is not None:
                     say(f"... {UVLOOP_LABEL}: SKIPPED: {missing}")
                     skipped[UVLOOP_LABEL] = missing
-                for label, options in _library_variants(idle_release_s, without_relay):
+                variants = _library_variants(idle_release_s, without_relay, missing is None)
+                for label, options in variants:
                     loop = options.pop("loop", "asyncio")
                     target = {
                         "service_url": broker.service_url,
@@ -812,10 +813,10 @@ def peer_server(system: str) -> contextlib.AbstractContextManager[dict[str, Any]
 
 
 def _library_variants(
-    idle_release_s: Sequence[float], without_relay: bool
+    idle_release_s: Sequence[float], without_relay: bool, on_uvloop: bool
 ) -> list[tuple[str, dict[str, Any]]]:
     variants: list[tuple[str, dict[str, Any]]] = [("library", {})]
-    if uvloop_missing() is None:
+    if on_uvloop:
         variants.append((UVLOOP_LABEL, {"loop": "uvloop"}))
     variants += [
         (f"library idle_release_s={idle:g}", {"idle_release_s": idle}) for idle in idle_release_s
