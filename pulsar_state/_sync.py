@@ -237,7 +237,16 @@ class SyncFacade(Generic[R]):
                 self._portal.stop()
 
     def __enter__(self) -> Self:
-        return self.open()
+        try:
+            return self.open()
+        except BaseException:
+            # __exit__ does not run when __enter__ raises: close here, or what open() made
+            # and the facade's own portal (a thread and an event loop) would stay behind.
+            try:
+                self.close()
+            except Exception as exc:  # the open's failure is the one the caller gets
+                logger.warning("closing after a failed open: %r", exc)
+            raise
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -163,6 +163,7 @@ STATE_MACHINE_OPTIONS = frozenset(
         "codec",
         "copy_state",
         "trial_state",
+        "adopt_trial",
         "begin_record",
         "durable_state",
     }

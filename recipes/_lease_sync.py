@@ -95,7 +95,7 @@ class SyncLeaderElection(_SyncOneLease[LeaderElection]):
         return self._forward(lambda: self._recipe.campaign(timeout=timeout), timeout)
 
     def resign(self, *, timeout: float | None = None) -> None:
-        self._write(self._recipe.resign, timeout)
+        self._write(lambda: self._recipe.resign(timeout=timeout), timeout)
 
     @property
     def lease(self) -> Lease | None:
@@ -137,7 +137,7 @@ class SyncMembership(_SyncOneLease[Membership]):
         return self._forward(lambda: self._recipe.join(timeout=timeout), timeout)
 
     def leave(self, *, timeout: float | None = None) -> None:
-        self._write(self._recipe.leave, timeout)
+        self._write(lambda: self._recipe.leave(timeout=timeout), timeout)
 
     def members_local(self) -> list[str]:
         return self._local(self._recipe.members_local)

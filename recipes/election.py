@@ -86,12 +86,12 @@ class LeaderElection(OneLeaseRecipe):
         self._lease = lease
         return Leader(lease.owner, lease.token, lease.position)
 
-    async def resign(self) -> None:
+    async def resign(self, *, timeout: float | None = None) -> None:
         """Stop leading; the next candidate takes over. NotHeldError if not leading."""
         lease, self._lease = self._lease, None
         if lease is None:
             raise NotHeldError(f"{self.name} is not leading")
-        await self._ownership.release(lease)
+        await self._ownership.release(lease, timeout=timeout)
 
     @property
     def lease(self) -> Lease | None:

@@ -71,12 +71,12 @@ class Membership(OneLeaseRecipe):
         )
         return self._lease
 
-    async def leave(self) -> None:
+    async def leave(self, *, timeout: float | None = None) -> None:
         """Leave the group. NotHeldError if not a member (never joined, left, or expired)."""
         lease, self._lease = self._lease, None
         if lease is None:
             raise NotHeldError(f"{self.name} is not a member")
-        await self._ownership.release(lease)
+        await self._ownership.release(lease, timeout=timeout)
 
     def members_local(self) -> list[str]:
         """The members per the local replica (no I/O), sorted."""

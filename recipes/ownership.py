@@ -52,6 +52,7 @@ from pulsar_state import (
     ConfigurationError,
     OperationTimeoutError,
     PulsarStateError,
+    ReplicaHaltedError,
     SharedStateManager,
 )
 
@@ -168,6 +169,8 @@ class Ownership:
             adopt_trial=LeaseTable.adopt,
             **manager_options,
         )
+        # A halt ends everything this Ownership waits for (see _on_halt).
+        self._manager.add_halt_listener(self._on_halt)
         self._pending: dict[str, asyncio.Future[Lease]] = {}
         # lease id -> the timer of its next renewal, or the task renewing it now
         self._keepers: dict[str, asyncio.TimerHandle | asyncio.Task[None]] = {}
@@ -342,7 +345,7 @@ class Ownership:
                 raise NotHeldError(f"request {lease_id} expired at once (ttl {ttl}s too short?)")
             self._mine.add(lease_id)
             if keep_alive:
-                self._keep(lease_id, ttl)
+                self._keep(lease_id, ttl / 3)
             if not lease.held:
                 # The holder writes next (its release): let it have the writer at once.
                 self._manager.release_writer()
@@ -378,12 +381,23 @@ class Ownership:
         """
         self._check_usable()
         self._check_mine(lease)
-        return await self._renew(lease.id, check_ttl(lease.ttl if ttl is None else ttl))
+        renewed = await self._renew(lease.id, check_ttl(lease.ttl if ttl is None else ttl))
+        if lease.id in self._keepers:
+            # Kept alive: its next renewal a third of the TTL just set from now (a shorter
+            # one would expire before a renewal timed for the old one; a renewal under way
+            # may have been built on the old TTL, so it is not waited for).
+            self._stop_keeping(lease.id)
+            self._keep(lease.id, renewed.ttl / 3)
+        return renewed
 
-    async def _renew(self, lease_id: str, ttl: float, timeout: float | None = None) -> Lease:
+    async def _renew(self, lease_id: str, ttl: float | None, timeout: float | None = None) -> Lease:
+        """Renew for ``ttl`` seconds (None: the lease's own TTL in the table at the tail,
+        as the keep-alive does, so that it keeps any TTL a renew() set)."""
+
         def generator(state: LeaseTable) -> list[dict[str, Any]]:
-            op = self._op("renew", lease_id, ttl=ttl)
-            if lease_id not in state.simulate(op).leases:
+            current = state.leases.get(lease_id)
+            op = self._op("renew", lease_id, ttl=current.ttl if ttl is None and current else ttl)
+            if current is None or lease_id not in state.simulate(op).leases:
                 raise NotHeldError(f"lease {lease_id} is not held: it expired or was released")
             return [op]
 
@@ -491,7 +505,8 @@ class Ownership:
         return remove
 
     def on_close(self, callback: Callable[[PulsarStateError], None]) -> None:
-        """Call ``callback(ClosedError)`` when this Ownership closes (ends streams)."""
+        """Call ``callback(error)`` when this Ownership closes (a ClosedError) or its replica
+        halts (a ReplicaHaltedError): what ends streams. A callback may see both, halt first."""
         self._on_close.append(callback)
 
     def read_local(self, reader: Callable[[LeaseTable], Any]) -> Any:
@@ -533,13 +548,36 @@ class Ownership:
                 # This process's release comes next: have the writer ready for it.
                 self._manager.take_writer()
             for callback in list(self._subscribers):
-                callback(events, table)
+                try:
+                    callback(events, table)
+                except Exception:
+                    # One subscriber's bug must not cost the others (a leaders() stream) this
+                    # record, nor the reaper its wake-up below.
+                    logger.exception("an Ownership subscriber raised; it stays subscribed")
         if self._changed is not None and any(
             event.lease.expires_at + _REAP_GRACE_S < self._reap_wake_at
             for event in events
             if event.kind in ("requested", "granted", "renewed")
         ):
             self._changed.set()
+
+    def _on_halt(self, error: ReplicaHaltedError) -> None:
+        """The replica halted (on the loop, once): no grant, expiry or renewal can come any
+        more. Fail the waiting acquires and end the streams with ``error`` rather than leave
+        them waiting forever, and stop renewing and reaping, which would fail and retry (and
+        log) until closed."""
+        self._stopping = True
+        background = [b for b in [self._reaper, *self._keepers.values()] if b is not None]
+        self._keepers.clear()
+        for work in background:
+            work.cancel()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+                future.exception()  # its acquire gets it; nobody else must
+        self._pending.clear()
+        for callback in self._on_close:
+            callback(error)
 
     def _holds_up_a_request(self, events: list[LeaseEvent], table: LeaseTable) -> bool:
         """Whether this process's release is what a request waits for: another process's
@@ -577,12 +615,11 @@ class Ownership:
         held = [lease_id for name in names for lease_id in table.holders.get(name, ())]
         return bool(held) and all(self._is_mine(lease_id) for lease_id in held)
 
-    def _keep(self, lease_id: str, ttl: float, interval: float | None = None) -> None:
+    def _keep(self, lease_id: str, interval: float) -> None:
         # A timer, not a task sleeping per lease: nothing to start or cancel on the loop
         # for the common lease that is released before its first renewal.
-        interval = ttl / 3 if interval is None else interval
         self._keepers[lease_id] = asyncio.get_running_loop().call_later(
-            interval, self._renew_due, lease_id, ttl, interval
+            interval, self._renew_due, lease_id, interval
         )
 
     def _stop_keeping(self, lease_id: str) -> None:
@@ -590,19 +627,19 @@ class Ownership:
         if keeper is not None and keeper is not asyncio.current_task():
             keeper.cancel()
 
-    def _renew_due(self, lease_id: str, ttl: float, interval: float) -> None:
+    def _renew_due(self, lease_id: str, interval: float) -> None:
         if not self._stopping and lease_id in self._keepers:
             self._keepers[lease_id] = asyncio.get_running_loop().create_task(
-                self._keep_alive(lease_id, ttl, interval),
+                self._keep_alive(lease_id, interval),
                 name=f"ownership-keepalive-{lease_id}",
             )
 
-    async def _keep_alive(self, lease_id: str, ttl: float, interval: float) -> None:
+    async def _keep_alive(self, lease_id: str, interval: float) -> None:
         # After a failure the next try comes sooner (halving, down to 50 ms) while the
-        # lease may still be saved; after a success, ttl / 3 again.
+        # lease may still be saved; after a success, a third of its TTL again.
         try:
-            await self._renew(lease_id, ttl, timeout=max(interval, 0.5))
-            retry_in = None
+            renewed = await self._renew(lease_id, None, timeout=max(interval, 0.5))
+            next_in = renewed.ttl / 3
         except NotHeldError:
             logger.warning("lease %s was lost: it expired before it could be renewed", lease_id)
             self._keepers.pop(lease_id, None)
@@ -611,10 +648,10 @@ class Ownership:
             return
         except PulsarStateError as exc:
             logger.warning("renewing lease %s failed (%s); retrying", lease_id, exc)
-            retry_in = max(interval / 2, 0.05)
+            next_in = max(interval / 2, 0.05)
         # Released (or lost) meanwhile: _stop_keeping dropped this task from the keepers.
         if self._keepers.get(lease_id) is asyncio.current_task() and not self._stopping:
-            self._keep(lease_id, ttl, retry_in)
+            self._keep(lease_id, next_in)
 
     async def _reap_loop(self) -> None:
         assert self._changed is not None

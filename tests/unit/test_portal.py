@@ -73,6 +73,37 @@ def test_facade_opens_and_closes_through_with_and_stops_only_its_own_portal() ->
         shared.stop()
 
 
+class RefusedResource(Resource):
+    async def open(self, *, timeout: float | None = None) -> None:
+        self.events.append("open")
+        raise ConnectionRefusedError("the broker is down")
+
+
+def portal_threads() -> int:
+    return sum(thread.name == "pulsar-state-portal" for thread in threading.enumerate())
+
+
+def test_an_open_that_fails_in_with_closes_the_resource_and_stops_its_own_portal() -> None:
+    before = portal_threads()
+    resources = [RefusedResource() for _ in range(5)]
+    for resource in resources:
+        with pytest.raises(ConnectionRefusedError), SyncFacade(resource, resource, None):
+            pass
+    # Before: __exit__ never ran, so each facade's portal thread (and event loop) stayed,
+    # and nothing closed what the open had made.
+    assert portal_threads() == before
+    assert all(resource.events == ["open", "aclose"] for resource in resources)
+
+    shared = BlockingPortal()
+    try:
+        resource = RefusedResource()
+        with pytest.raises(ConnectionRefusedError), SyncFacade(resource, resource, shared):
+            pass
+        assert shared.call_sync(lambda: 42) == 42  # given, so left running
+    finally:
+        shared.stop()
+
+
 def test_close_waits_as_long_as_the_resources_close_may_take(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

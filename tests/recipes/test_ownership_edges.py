@@ -1,0 +1,154 @@
+"""Ownership off its happy path, against the real broker: its replica halting under waiters
+and streams, a subscriber that raises, a renewal that changes the TTL, options it owns."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import pytest
+
+from pulsar_state import ConfigurationError, ReplicaHaltedError, SharedStateManager
+from recipes import LeaderElection, Ownership, SyncLeaderElection, SyncMembership
+from recipes._lease_table import LeaseEvent, LeaseTable
+from tests.recipes.helpers import WAIT_S, recipe_options
+from tests.support.waiting import until
+
+
+def owners(service_url: str, topic: str, admin_url: str, **options: Any) -> Ownership:
+    return Ownership(service_url, topic, **recipe_options(admin_url, **options))
+
+
+async def append_an_op_the_table_refuses(service_url: str, topic: str, admin_url: str) -> None:
+    """Append, from a replica whose apply accepts anything (as another version's might), an
+    op the lease table's apply refuses: every Ownership replica of the topic halts on it."""
+    async with SharedStateManager(
+        service_url,
+        topic,
+        initial_state=dict,
+        apply=lambda state, op: state,
+        **recipe_options(admin_url),
+    ) as foreign:
+        await foreign.write_ops([{"op": "from-the-future", "now": time.time()}])
+
+
+async def test_a_halt_fails_waiting_acquires_and_ends_streams_and_renewals(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        owners(service_url, topic, admin_url, owner="holder") as holder,
+        LeaderElection(
+            service_url, topic, name="watcher", ttl=3.0, **recipe_options(admin_url)
+        ) as watcher,
+    ):
+        lease = await holder.acquire("leader", ttl=3.0)  # kept alive every second
+        await until(lambda: watcher.leader() is not None, "the watcher sees the holder lead")
+        waiting = asyncio.ensure_future(watcher.ownership.acquire("leader", ttl=3.0))
+        leaders = watcher.leaders()
+        first = await leaders.next(timeout=WAIT_S)
+        assert first is not None
+        assert first.name == "holder"
+        await until(lambda: len(holder.read_local(lambda t: t.waiting())) == 1, "the request")
+        assert not waiting.done()
+
+        await append_an_op_the_table_refuses(service_url, topic, admin_url)
+
+        # Before: the acquire waited forever, the stream never ended, and the renewals and
+        # the reaper failed and retried (warning each time) until closed.
+        with pytest.raises(ReplicaHaltedError):
+            await asyncio.wait_for(waiting, WAIT_S)
+        with pytest.raises(ReplicaHaltedError):
+            await leaders.next(timeout=WAIT_S)
+        await until(lambda: holder.manager.halted is not None, "the holder's halt")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="recipes.ownership"):
+            await asyncio.sleep(2.5)  # over two keep-alive periods, several reaper wake-ups
+        assert [r.getMessage() for r in caplog.records] == []
+        with pytest.raises(ReplicaHaltedError):
+            await holder.renew(lease)
+
+
+async def test_a_subscriber_that_raises_costs_the_others_nothing(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[list[str]] = []
+
+    def broken(events: list[LeaseEvent], table: LeaseTable) -> None:
+        raise RuntimeError("a subscriber's bug")
+
+    def recording(events: list[LeaseEvent], table: LeaseTable) -> None:
+        seen.append([event.kind for event in events])
+
+    async with LeaderElection(
+        service_url, topic, name="a", ttl=10.0, **recipe_options(admin_url)
+    ) as election:
+        election.ownership.subscribe(broken)  # ahead of the others
+        election.ownership.subscribe(recording)
+        leaders = election.leaders()
+        assert await leaders.next(timeout=WAIT_S) is None  # nobody leads yet
+        with caplog.at_level(logging.ERROR, logger="recipes.ownership"):
+            await election.campaign()
+            # Before: the first subscriber's exception ended the loop over subscribers, so
+            # the stream and the recording subscriber missed the grant.
+            leader = await leaders.next(timeout=WAIT_S)
+        assert leader is not None
+        assert leader.name == "a"
+        assert any("granted" in kinds for kinds in seen)
+        assert any("subscriber raised" in r.getMessage() for r in caplog.records)
+        assert election.ownership.manager.halted is None
+
+
+async def test_renewing_with_a_new_ttl_moves_the_keep_alive_to_it(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with owners(service_url, topic, admin_url) as a, owners(service_url, topic, admin_url):
+        # Shorter: the keep-alive must renew within the new TTL, not a third of the old one.
+        short = await a.acquire("short", ttl=9.0)  # its keep-alive: every 3 s
+        await a.renew(short, ttl=2.4)
+        # Longer: the keep-alive must not put the old TTL back.
+        long = await a.acquire("long", ttl=3.0)  # every second
+        await a.renew(long, ttl=60.0)
+        # Before: "short" expired at 2.4 s (the next renewal came at 3 s) and "long" was
+        # renewed with 3 s at 1 s.
+        await asyncio.sleep(3.6)
+        table = await a.manager.read(
+            lambda t: {i: (x.ttl, x.held) for i, x in t.leases.items()}, latest=True
+        )
+        assert table[short.id] == (2.4, True)
+        assert table[long.id] == (60.0, True)
+        assert a.is_held(short)
+        await a.release(short)
+        await a.release(long)
+
+
+def test_options_that_define_the_lease_table_are_refused(service_url: str, topic: str) -> None:
+    with pytest.raises(ConfigurationError, match="adopt_trial"):
+        Ownership(service_url, topic, adopt_trial=lambda table, view: table)
+    with pytest.raises(ConfigurationError, match="trial_state"):
+        Ownership(service_url, topic, trial_state=lambda table: table)
+
+
+def test_resign_and_leave_give_their_timeout_to_the_release(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    given: list[float | None] = []
+    release = Ownership.release
+
+    async def spy(self: Ownership, lease: Any, *, timeout: float | None = None) -> None:
+        given.append(timeout)
+        await release(self, lease, timeout=timeout)
+
+    monkeypatch.setattr(Ownership, "release", spy)
+    # Before: the blocking twins' timeout was only their portal's backstop; the release
+    # itself waited the manager's write timeout.
+    with SyncLeaderElection(service_url, topic, name="a", **recipe_options(admin_url)) as e:
+        e.campaign(timeout=WAIT_S)
+        e.resign(timeout=7.0)
+    with SyncMembership(
+        service_url, f"{topic}-members", name="m", **recipe_options(admin_url)
+    ) as group:
+        group.join(timeout=WAIT_S)
+        group.leave(timeout=8.0)
+    assert given == [7.0, 8.0]
