@@ -169,15 +169,15 @@ class LeaseTable:
     @staticmethod
     def apply(state: LeaseTable, op: Any) -> None:
         """Apply one op (a JSON object); raises ValueError on a malformed one."""
-        kind, now = _parse(op)
+        kind, now = _parse(op, state.clock)
         state.clock = max(state.clock, now)
         state._expire()
         if kind == "acquire":
             state._request(op)
         elif kind == "renew":
-            state._renew(str(op["id"]), _ttl_of(op))
+            state._renew(op["id"], _ttl_of(op))
         elif kind == "release":
-            lease = state.leases.get(str(op["id"]))
+            lease = state.leases.get(op["id"])
             if lease is not None:
                 state._drop(lease, "released")
         state._grant()
@@ -279,15 +279,11 @@ class LeaseTable:
     # ------------------------------------------------------------------ transitions
 
     def _request(self, op: dict[str, Any]) -> None:
-        lease_id = str(op["id"])
+        lease_id = op["id"]  # every field checked by _parse
         if lease_id in self.leases:
             return
-        names = tuple(str(n) for n in op["names"])
-        mode = op["mode"]
-        if not names or mode not in ("read", "write"):
-            raise ValueError(f"bad acquire op: {op!r}")
         ttl = _ttl_of(op)
-        lease = Lease(lease_id, str(op["owner"]), names, mode, ttl, self.clock + ttl)
+        lease = Lease(lease_id, op["owner"], tuple(op["names"]), op["mode"], ttl, self.clock + ttl)
         self._seq[lease_id] = self._next_seq
         self._next_seq += 1
         self.leases[lease_id] = lease
@@ -394,13 +390,36 @@ def _seq_of(entry: _Entry) -> int:
     return entry[1]
 
 
-def _parse(op: Any) -> tuple[str, float]:
+def _parse(op: Any, clock: float) -> tuple[str, float]:
+    """The op's kind and time, once every field its kind uses is checked (on a table at
+    ``clock``): a malformed op, which only a foreign or broken writer appends, raises
+    ValueError before it changes anything, on every replica alike."""
     if not isinstance(op, dict) or op.get("op") not in _OPS:
         raise ValueError(f"not a lease-table op: {op!r}")
     now = op.get("now")
     if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
         raise ValueError(f"lease-table op without a valid 'now': {op!r}")
-    return cast(str, op["op"]), float(now)
+    kind = cast(str, op["op"])
+    if kind != "tick" and not _is_name(op.get("id")):
+        raise ValueError(f"lease-table op without a valid 'id': {op!r}")
+    if kind == "acquire":
+        names = op.get("names")
+        if not _is_name(op.get("owner")):
+            raise ValueError(f"lease-table op without a valid 'owner': {op!r}")
+        # Distinct: a name twice in one lease would be held twice and released once.
+        if not isinstance(names, list) or not names or not all(map(_is_name, names)):
+            raise ValueError(f"lease-table op without valid 'names': {op!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"lease-table op with a name twice in 'names': {op!r}")
+        if op.get("mode") not in ("read", "write"):
+            raise ValueError(f"lease-table op without a valid 'mode': {op!r}")
+    if kind in ("acquire", "renew") and not math.isfinite(max(clock, now) + _ttl_of(op)):
+        raise ValueError(f"lease-table op whose lease would never expire: {op!r}")
+    return kind, float(now)
+
+
+def _is_name(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
 
 
 def _ttl_of(op: dict[str, Any]) -> float:

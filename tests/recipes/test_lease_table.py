@@ -190,6 +190,40 @@ def test_malformed_ops_are_refused(op: Any) -> None:
         LeaseTable.apply(LeaseTable(), op)
 
 
+def _acquire(**fields: Any) -> dict[str, Any]:
+    op = {"op": "acquire", "id": "x", "owner": "o", "names": ["a"], "mode": "write"}
+    return {**op, "ttl": 1, "now": 5, **fields}
+
+
+@pytest.mark.parametrize(
+    ("op", "field"),
+    [
+        (_acquire(names="db"), "names"),  # was taken as the names "b" and "d"
+        (_acquire(names=[""]), "names"),  # was accepted
+        (_acquire(names=5), "names"),  # was a TypeError
+        (_acquire(names=["a", "a"]), "a name twice"),  # was held twice, released once
+        (_acquire(owner=None), "owner"),  # was KeyError, or the owner "None"
+        ({k: v for k, v in _acquire().items() if k != "owner"}, "owner"),
+        (_acquire(id=7), "id"),  # was the id "7"
+        (_acquire(ttl=1e308, now=1e308), "never expire"),  # expired at infinity
+        ({"op": "renew", "ttl": 1, "now": 5}, "id"),  # was KeyError
+        ({"op": "renew", "id": "x", "ttl": 1e308, "now": 1e308}, "never expire"),
+        ({"op": "release", "now": 5}, "id"),  # was KeyError
+    ],
+)
+def test_a_malformed_op_is_refused_before_it_changes_anything(op: Any, field: str) -> None:
+    # A foreign or broken writer's op: each replica refuses it alike (ValueError: apply
+    # raised, so the replica halts), and the table is as before it, its clock included.
+    table = LeaseTable()
+    LeaseTable.begin(table, 1)
+    LeaseTable.apply(table, _acquire(id="held", ttl=3, now=1))
+    before = table.copy()
+    with pytest.raises(ValueError, match=field):
+        LeaseTable.apply(table, op)
+    assert table == before
+    assert table.clock == 1
+
+
 def test_names_and_ttl_are_checked() -> None:
     assert check_names("a", None) == ("a",)
     assert check_names(["b", "a", "b"], None) == ("a", "b")
