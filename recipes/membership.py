@@ -99,16 +99,27 @@ class Membership(OneLeaseRecipe):
             else []
         )
         stream: EventStream[MemberEvent] = EventStream(initial, max_queue=max_queue)
+        # The members as the stream has told them: a member is a name, which may hold more
+        # than one lease (a rejoin before its lost lease was reaped, or two processes given
+        # one name), so only its first lease joins it and only its last one leaves.
+        told = set(_members_of(table))
 
         def on_change(events: list[LeaseEvent], table: LeaseTable) -> None:
             changes: list[MemberEvent] = []
+            members: set[str] | None = None  # after this record, computed once if needed
             for event in events:
                 lease = event.lease
                 if RESOURCE not in lease.names or lease.mode != "read":
                     continue
-                if event.kind == "granted":
+                if event.kind == "granted" and lease.owner not in told:
+                    told.add(lease.owner)
                     changes.append(MemberEvent("join", lease.owner, event.position, "joined"))
                 elif event.kind in ("released", "expired") and lease.held:
+                    if members is None:
+                        members = set(_members_of(table))
+                    if lease.owner in members or lease.owner not in told:
+                        continue  # still a member by another lease
+                    told.discard(lease.owner)
                     reason: Literal["left", "expired"] = (
                         "left" if event.kind == "released" else "expired"
                     )

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from pulsar_state import ConfigurationError, ReplicaHaltedError, SharedStateManager
-from recipes import LeaderElection, Ownership, SyncLeaderElection, SyncMembership
+from recipes import (
+    LeaderElection,
+    Membership,
+    Ownership,
+    SyncLeaderElection,
+    SyncMembership,
+)
 from recipes._lease_table import LeaseEvent, LeaseTable
 from tests.recipes.helpers import WAIT_S, recipe_options
 from tests.support.waiting import until
@@ -152,3 +158,30 @@ def test_resign_and_leave_give_their_timeout_to_the_release(
         group.join(timeout=WAIT_S)
         group.leave(timeout=8.0)
     assert given == [7.0, 8.0]
+
+
+async def test_a_member_with_two_leases_joins_once_and_leaves_with_its_last(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Two leases under one name: a rejoin before the lost lease was reaped, or (here) two
+    # processes given the same name. The stream must agree with members() at every step.
+    options = recipe_options(admin_url)
+    async with (
+        Membership(service_url, topic, name="w", ttl=10, **options) as first,
+        Membership(service_url, topic, name="w", ttl=10, **options) as second,
+        Membership(service_url, topic, name="watcher", ttl=10, **options) as watcher,
+    ):
+        events = watcher.events()
+        await first.join()
+        await second.join()
+        await first.leave()
+        assert await watcher.members() == ["w"]
+        await second.leave()
+        got = [await events.next(timeout=WAIT_S) for _ in range(2)]
+        # Before: join, join, leave (w still a member), leave.
+        assert [(e.kind, e.member, e.reason) for e in got] == [
+            ("join", "w", "joined"),
+            ("leave", "w", "left"),
+        ]
+        assert got[1].position == watcher.ownership.position
+        assert await watcher.members() == []
