@@ -55,11 +55,20 @@ IMMUTABLE_TYPES: Final[frozenset[type]] = frozenset(
 )
 
 
+# Values that compare equal without being the same value to an apply: 0.0 and -0.0, Decimal
+# 1 and 1.00, one instant in two time zones (as an Avro timestamp decodes, in UTC). Their
+# reprs tell them apart.
+_EQUAL_IS_NOT_SAME: Final[frozenset[type]] = frozenset(
+    {float, complex, decimal.Decimal, datetime.datetime, datetime.time}
+)
+
+
 def identical(a: Any, b: Any) -> bool:
     """Whether ``b`` (an op decoded) is ``a`` (the op encoded) to ``apply``: equal, of the
-    same types all the way down (1 and 1.0, True and 1, a tuple and a list differ) and dict
-    keys in the same order. Anything else compares by ``==`` (an object without ``__eq__``
-    decoded again is not identical)."""
+    same types all the way down (1 and 1.0, True and 1, a tuple and a list differ), dict
+    keys in the same order, and numbers and times the same value (not only equal: -0.0,
+    Decimal 1.00, a time zone). Anything else compares by ``==`` (an object without
+    ``__eq__`` decoded again is not identical; one whose ``==`` raises is not either)."""
     # Loops rather than all(<generator>): this runs on every op the writer adopts.
     kind = type(a)
     if kind is not type(b):
@@ -78,7 +87,12 @@ def identical(a: Any, b: Any) -> bool:
             if not identical(x, y):
                 return False
         return True
-    return bool(a == b)
+    try:
+        if kind in _EQUAL_IS_NOT_SAME:
+            return bool(a == b) and repr(a) == repr(b)
+        return bool(a == b)
+    except Exception:  # an == that raises (an array's): not provably the same
+        return False
 
 
 def _private_copy(value: Any) -> Any:

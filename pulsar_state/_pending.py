@@ -349,6 +349,19 @@ class PendingWrites:
                 if not pending.future.done():
                     pending.future.set_exception(error(outgoing))
 
+    def withdraw(self, records: list[OutgoingRecord[PendingWrite]]) -> None:
+        """The records were never handed to the client, so none can land: out of flight,
+        and their writes queued again (not counted as retries)."""
+        again: list[PendingWrite] = []
+        for outgoing in records:
+            record_id = outgoing.record.record_id
+            if self._in_flight.pop(record_id, None) is None:
+                continue
+            for pending in outgoing.writes:
+                pending.outstanding.discard(record_id)
+                again.append(pending)
+        self.requeue(list(dict.fromkeys(again)), retry_count=False)
+
     def requeue_unseen(self, records: list[OutgoingRecord[PendingWrite]]) -> None:
         # They keep their outstanding record ids: if one of those lands later and is accepted,
         # the write completes from it and the retry's record is ignored as stale.

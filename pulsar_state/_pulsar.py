@@ -547,6 +547,9 @@ class StateWriter:
         self._what = f"the writer on {topic}"
         self._pid = os.getpid()
         self.fencing = fencing  # taken by fencing the previous holder
+        # Whether the client refused the last message inside send_nowait's own call (too
+        # large for the broker, or the producer closed): it was certainly not sent.
+        self.refused = False
 
     async def send(self, payload: bytes, *, key: str) -> LogPosition:
         return await self.send_nowait(payload, key=key)
@@ -579,13 +582,18 @@ class StateWriter:
             if on_settled is not None:
                 on_settled()  # its own errors are its own: it never raises (see Writer)
 
+        calling = [True]
+
         def acknowledged(result: Any, msg_id: Any) -> None:  # on the client's thread
             # Never raises: an exception here aborts the process (see _tolerate_closed_loops).
+            if calling[0] and result != pulsar.Result.Ok:
+                self.refused = True  # inside send_async: the client's own check refused it
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits it
                 loop.call_soon_threadsafe(settle, result, msg_id)
 
         # A failure nobody awaits (the writer stopped meanwhile) is not an unretrieved error.
         future.add_done_callback(_retrieve)
+        self.refused = False
         try:
             # Never raises either: a send refused here is a failed send, handled (retried)
             # where its acknowledgement is awaited, as one failed by the broker.
@@ -598,8 +606,11 @@ class StateWriter:
             # Translated here rather than by translate_errors: a generator-based context
             # manager per record is measurable on a lone writer's path.
             self._producer._producer.send_async(builder.build(), acknowledged)
+            calling[0] = False
         # pulsar.asyncio.PulsarException derived from BaseException up to 3.12.
         except (Exception, pulsar_asyncio.PulsarException) as exc:
+            calling[0] = False
+            self.refused = True
             error = translate(exc, context)
             if error is not exc:
                 error.__cause__ = exc

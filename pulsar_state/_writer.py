@@ -98,6 +98,19 @@ _STALE_REMEMBERED = 1024
 _MAX_FOREIGN = 1000
 
 
+class _NotSent(PulsarStateError):
+    """A record of a batch never handed to the client: the client refused one before it,
+    and each record is built on the one before (sent, it would be stored on top of a record
+    the log never got: a fork in every replica's eyes)."""
+
+
+def _not_sent() -> asyncio.Future[LogPosition]:
+    future: asyncio.Future[LogPosition] = asyncio.get_running_loop().create_future()
+    future.set_exception(_NotSent("not sent: the client refused a record before it"))
+    future.exception()  # awaited by _finish; never an unretrieved error
+    return future
+
+
 @dataclass(slots=True)
 class _Issued:
     """A batch built and sent without the serve loop (see :meth:`Writer.queued`), for the
@@ -946,10 +959,16 @@ class Writer:
         producer = self._producer
         assert producer is not None
         self._pending.launch(records)
-        sends: list[Awaitable[LogPosition]] = [
-            producer.send_nowait(o.payload, key=o.record.record_id, on_settled=on_settled)
-            for o in records
-        ]
+        sends: list[Awaitable[LogPosition]] = []
+        for outgoing in records:
+            if sends and producer.refused:
+                sends.append(_not_sent())  # built on a record the client refused
+                continue
+            sends.append(
+                producer.send_nowait(
+                    outgoing.payload, key=outgoing.record.record_id, on_settled=on_settled
+                )
+            )
         for outgoing in records:  # sent: decoding now costs the caller nothing
             if outgoing.adoption is not None:
                 self._replica.check_adoption(outgoing.record, outgoing.adoption)
@@ -1084,12 +1103,12 @@ class Writer:
         """Await the acknowledgements of ``records`` (sent), apply them, read them back."""
         replica = self._replica
         acked: list[LogPosition] = []
-        failures: list[BaseException] = []
+        failures: list[tuple[OutgoingRecord[PendingWrite], BaseException]] = []
         for outgoing, send in zip(records, sends, strict=True):
             try:
                 at = await send
             except Exception as exc:
-                failures.append(exc)
+                failures.append((outgoing, exc))
                 continue
             acked.append(at)
             replica.apply_own(outgoing.payload, outgoing.record, at, outgoing.adoption)
@@ -1131,15 +1150,21 @@ class Writer:
         self._pending.complete_unchanged(writes, self._replica.state, version)
 
     async def _send_failed(
-        self, records: list[OutgoingRecord[PendingWrite]], failures: list[BaseException]
+        self,
+        records: list[OutgoingRecord[PendingWrite]],
+        failures: list[tuple[OutgoingRecord[PendingWrite], BaseException]],
     ) -> None:
         # A failed send may still have been persisted: the records stay in flight and are
         # settled by the pump if they ever appear. The writer re-acquires and catches up;
         # writes whose records are not seen by then are retried by requeue_unseen.
-        error = failures[0]
+        error = failures[0][1]
         logger.info("send to %s failed: %s", self._topic, error)
-        if all(isinstance(f, RecordTooLargeError) for f in failures):
-            # Refused by the client before sending: certainly not persisted, not retriable.
+        refused = [o for o, f in failures if isinstance(f, RecordTooLargeError)]
+        unsent = [o for o, f in failures if isinstance(f, _NotSent)]
+        if refused and len(refused) + len(unsent) == len(failures):
+            # Refused by the client before sending, and the records built on them never
+            # sent: certainly not persisted. The refused writes fail (not retriable); the
+            # others go again, in records built afresh.
             limit = self._settings.max_record_bytes
 
             def too_large(outgoing: OutgoingRecord[PendingWrite]) -> BaseException:
@@ -1150,7 +1175,8 @@ class Writer:
                     limit=limit,
                 )
 
-            self._pending.refuse(records, too_large)
+            self._pending.refuse(refused, too_large)
+            self._pending.withdraw(unsent)
             return
         await self.release()
         self._pending.requeue_unseen(records)

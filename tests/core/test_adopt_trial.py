@@ -7,12 +7,15 @@ record took (adoptions counted) and that the holder and a plain replica agree.""
 from __future__ import annotations
 
 import asyncio
+import datetime
+import decimal
 from typing import Any
 
 import pytest
 
 from pulsar_state import (
     ApplyError,
+    AvroCodec,
     ConfigurationError,
     DictOverlay,
     JsonCodec,
@@ -129,6 +132,46 @@ async def test_ops_that_do_not_decode_to_themselves_are_applied_not_adopted(
         theirs = await peer.read(lambda s: dict(s), latest=True)
         assert mine == theirs == {"first": 1, "pair": [1, 2], "list": [1, 2]}
         assert type(mine["pair"]) is list
+
+
+async def test_ops_that_decode_equal_but_not_the_same_are_applied_not_adopted(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    """Avro gives a timestamp back in UTC and a decimal at its schema's scale: equal to what
+    was sent, yet another value to an apply (another hour, another str). The holder adopted
+    the trial state built on the values sent, and silently held another state than every
+    other replica."""
+    schema = {
+        "type": "record",
+        "name": "Payment",
+        "fields": [
+            {"name": "k", "type": "string"},
+            {"name": "at", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+            {
+                "name": "amount",
+                "type": {"type": "bytes", "logicalType": "decimal", "precision": 9, "scale": 2},
+            },
+        ],
+    }
+
+    def apply(state: dict[str, Any], op: dict[str, Any]) -> None:
+        state[op["k"]] = f"{op['at'].hour}h {op['amount']}"
+
+    paris = datetime.timezone(datetime.timedelta(hours=1))
+    op = {"k": "p1", "at": datetime.datetime(2026, 11, 27, 12, tzinfo=paris)}
+    adopt = Adopter()
+    options: dict[str, Any] = {"initial_state": dict, "apply": apply, "codec": AvroCodec(schema)}
+    manager = counter_manager(service_url, topic, admin_url, adopt_trial=adopt, **options, **HELD)
+    peer = counter_manager(service_url, topic, admin_url, **options)
+    async with manager, peer:
+        await manager.write(lambda s: [{**op, "k": "first", "amount": decimal.Decimal("0.50")}])
+        await parked(manager)
+        adopt.calls = 0
+        await manager.write(lambda s: [{**op, "amount": decimal.Decimal("1")}])
+        assert adopt.calls == 0
+        mine = await manager.read(lambda s: dict(s), latest=True)
+        theirs = await peer.read(lambda s: dict(s), latest=True)
+        assert mine == theirs == {"first": "11h 0.50", "p1": "11h 1.00"}
 
 
 def test_adopt_trial_is_not_for_a_durable_state(service_url: str, topic: str) -> None:

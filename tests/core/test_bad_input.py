@@ -101,6 +101,26 @@ async def test_write_over_broker_limit_fails_clearly_without_retrying(
         assert await manager.read(lambda s: s["count"], latest=True) == 1
 
 
+async def test_a_record_over_broker_limit_keeps_the_records_built_on_it_unsent(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # One batch of two records (one write each), the second built on the first. The client
+    # refuses the first (over the broker's limit): the second, sent anyway, was stored on
+    # top of a record the log never got, so every replica halted on it as a forked history.
+    options: dict[str, Any] = {"max_record_bytes": 16 * 1024 * 1024, "max_writes_per_record": 1}
+    async with counter_manager(service_url, topic, admin_url, **options) as manager:
+        too_big = manager.write(lambda s: [{"op": "set", "key": "k", "value": "x" * 6_000_000}])
+        small = manager.write(lambda s: [incr()])
+        outcomes = await asyncio.gather(too_big, small, return_exceptions=True)
+        assert isinstance(outcomes[0], RecordTooLargeError)
+        assert not isinstance(outcomes[1], BaseException), outcomes[1]
+        assert manager.halted is None
+        assert await manager.read(lambda s: s["count"], latest=True) == 1
+    async with counter_manager(service_url, topic, admin_url) as fresh:
+        assert fresh.halted is None
+        assert await fresh.read(lambda s: s["count"], latest=True) == 1
+
+
 @pytest.mark.parametrize(
     "payload",
     [b"not a pulsar-state record", b"PSR\x09future format", b"", b"PSR\x01\x00\x00garbage"],

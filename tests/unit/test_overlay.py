@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import datetime
+import decimal
 from typing import Any
 
 import pytest
@@ -235,5 +237,29 @@ def test_identical_ops_have_the_same_values_and_types_all_the_way_down() -> None
         (float("nan"), float("nan")),
         (object(), object()),  # no __eq__: a decoded copy is another object
         ([1, 2], [1, 2, 3]),
+        # Equal but not the same value (adopted, the holder diverged from the replicas):
+        (0.0, -0.0),
+        (decimal.Decimal("1"), decimal.Decimal("1.00")),  # an Avro decimal at its scale
+        (noon_in_paris, noon_in_paris.astimezone(datetime.UTC)),  # an Avro timestamp
+        (datetime.time(12, tzinfo=paris), datetime.time(12)),
+        (AmbiguousEquality(), AmbiguousEquality()),  # an == that raises: not identical
     ]:
         assert not identical(sent, got), (sent, got)
+    same = [1.5, -0.0, decimal.Decimal("1.00"), noon_in_paris, datetime.time(12, tzinfo=paris)]
+    assert identical(same, copy.deepcopy(same))
+
+
+paris = datetime.timezone(datetime.timedelta(hours=1))
+noon_in_paris = datetime.datetime(2026, 11, 27, 12, tzinfo=paris)
+
+
+class AmbiguousEquality:
+    """As a numpy array: ``==`` gives something that refuses to be a bool."""
+
+    def __eq__(self, other: object) -> Any:
+        return self
+
+    def __bool__(self) -> bool:
+        raise ValueError("the truth value of an array is ambiguous")
+
+    __hash__ = object.__hash__
