@@ -405,6 +405,7 @@ class Assembly(Generic[S, Op]):
             await _cancel(self.pump_task)
         pending.fail_in_flight()
         pending.fail_queued(closed)  # anything requeued while closing
+        pending.fail_unfinished(closed)  # anything the writer held when it was cancelled
         replica.fail_waiters(closed)
         await _bounded(self._tail.close(), left(_TEARDOWN_FLOOR_S))
         if self.store is not None:

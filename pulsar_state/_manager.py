@@ -293,6 +293,10 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         self._replica.on_halt.append(self._pending.fail_queued)
         # In flight too: nothing will settle them now (they would wait for their deadline).
         self._replica.on_halt.append(self._pending.fail_in_flight)
+        # And those the writer held (a batch being built or checked): it stops at a halt. A
+        # loop turn later: a record being applied as it halted ends its writes first, with
+        # what is known of them (in the log, so other replicas apply them).
+        self._replica.on_halt.append(self._pending.fail_unfinished_soon)
         parts = (self._context, self._machine, self._replica, self._pending, self._tail)
         self._parts: Assembly[S, Op] = Assembly(options, *parts, self._admin)
         self._opened = False

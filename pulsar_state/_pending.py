@@ -9,6 +9,7 @@ and :meth:`PendingWrites.reject` only; it never sees the queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import heapq
 import itertools
@@ -220,11 +221,40 @@ class PendingWrites:
                 continue
             pending.future.set_result(WriteResult(value, position))
 
-    def fail_queued(self, error: BaseException) -> None:
+    def fail_queued(self, error: PulsarStateError) -> None:
+        """End the queued writes with ``error`` (a ClosedError or the replica's halt); one
+        whose earlier attempt was sent, and may still land, gets WriteOutcomeUnknownError."""
         for pending in list(self.queue):
             if not pending.future.done():
-                pending.future.set_exception(error)
+                pending.future.set_exception(self._ended_error(pending, error))
         self.queue.clear()
+
+    def fail_unfinished(self, error: PulsarStateError) -> None:
+        """End every write without its outcome yet, wherever it is: queued, in flight, or
+        taken into a batch that the writer was building or checking when it stopped. After a
+        close or a halt nothing else ends them (the deadline watchdog stops with the close)."""
+        for _, _, pending in self.deadlines:
+            if not pending.future.done():
+                pending.future.set_exception(self._ended_error(pending, error))
+
+    def fail_unfinished_soon(self, error: PulsarStateError) -> None:
+        """:meth:`fail_unfinished` a loop turn from now (after a halt: a record being applied
+        as the replica halted ends its own writes first, with what is known of them)."""
+        with contextlib.suppress(RuntimeError):  # no loop running: nothing waits either
+            asyncio.get_running_loop().call_soon(self.fail_unfinished, error)
+
+    def _ended_error(self, pending: PendingWrite, error: PulsarStateError) -> PulsarStateError:
+        if not pending.outstanding:
+            return error
+        wid = write_id(self._writer_id, pending.write_seq)
+        why = "the manager closed" if isinstance(error, ClosedError) else "the replica halted"
+        unknown = WriteOutcomeUnknownError(
+            f"{why} before the outcome of write {wid} was seen (a record of it was sent); it "
+            "was applied once or not at all",
+            write_id=wid,
+        )
+        unknown.__cause__ = error
+        return unknown
 
     # ------------------------------------------------------------------ deadlines
 

@@ -314,6 +314,26 @@ async def test_in_place_apply_with_copy_state_none_is_caught(
         assert manager.halted is not None
 
 
+async def test_a_halt_while_a_batch_is_built_ends_the_other_writes_of_it_at_once(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The first write's trial run changes the live state (copy_state=None, an apply that
+    # mutates): the replica halts while the batch is built. The second write of that batch
+    # was taken out of the queue and never in flight: it waited for its deadline (30 s, or
+    # for ever once the manager closed).
+    async with counter_manager(
+        service_url, topic, admin_url, copy_state=None, write_timeout_s=30.0
+    ) as manager:
+        started = asyncio.get_running_loop().time()
+        culprit = manager.write(lambda s: [incr()])
+        other = manager.write(lambda s: [incr("other")])
+        outcomes = await asyncio.gather(culprit, other, return_exceptions=True)
+        assert asyncio.get_running_loop().time() - started < 10
+        assert isinstance(outcomes[0], ConfigurationError)
+        assert isinstance(outcomes[1], ReplicaHaltedError), outcomes[1]
+        assert manager.halted is not None
+
+
 async def test_busy_writer_times_out_with_writer_busy(
     service_url: str, admin_url: str, topic: str
 ) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import pulsar_state._pulsar
-from pulsar_state import ApplyError, BrokerUnavailableError
+from pulsar_state import ApplyError, BrokerUnavailableError, ClosedError
 from tests.core.helpers import (
     counter_manager,
     fail_send_number,
@@ -182,6 +182,52 @@ async def test_closing_right_after_a_write_sent_at_once_ends_it(
     # The closing writer finished the batch first: the write's outcome is known.
     assert (await asyncio.wait_for(written, 5)).position == 2
     assert await topic_message_count(service_url, topic) == 2
+
+
+async def test_closing_right_after_a_write_with_no_ops_sent_at_once_ends_it(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    manager = held_manager(service_url, topic, admin_url)
+    await manager.open()
+    writer = await holding(manager)
+    unchanged = submit(manager, lambda s: [])
+    issued = await end_of_turn(writer)
+    assert issued is not None
+    assert issued.unchanged
+    await asyncio.wait_for(manager.aclose(), 30)
+    # Before: the write was in the writer's hands, neither queued nor in flight, when the
+    # close cancelled the writer's task and stopped the deadline watchdog: it never ended.
+    done, _ = await asyncio.wait({unchanged}, timeout=5)
+    assert done
+    with pytest.raises(ClosedError, match="closed before"):
+        unchanged.result()
+
+
+async def test_closing_while_a_batch_is_checked_ends_every_write_of_it(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = held_manager(service_url, topic, admin_url)
+    await manager.open()
+    writer = await holding(manager)
+    catch_up = writer._catch_up
+
+    async def slow_catch_up(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.5)  # the close comes while the batch's no-op write is checked
+        return await catch_up(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "_catch_up", slow_catch_up)
+    unchanged = submit(manager, lambda s: [])
+    counted = submit(manager, lambda s: [incr("b")])
+    await until(lambda: not manager._pending.queue, "the serve loop takes the batch")
+    await asyncio.wait_for(manager.aclose(), 30)
+    # Before: the no-op write was queued again and failed, but the other, taken into the
+    # batch and not sent yet, was neither queued nor in flight: it never ended.
+    done, _ = await asyncio.wait({unchanged, counted}, timeout=5)
+    assert done == {unchanged, counted}
+    for write in (unchanged, counted):
+        with pytest.raises(ClosedError):
+            write.result()
+    assert await topic_message_count(service_url, topic) == 1
 
 
 async def test_a_write_with_no_ops_batched_with_others_is_confirmed_before_they_are_sent(

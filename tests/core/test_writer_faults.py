@@ -16,6 +16,7 @@ from pulsar_state import (
 )
 from pulsar_state._pulsar import LogPosition, StateReader, StateWriter
 from pulsar_state._replica import Replica
+from pulsar_state._writer import Writer
 from tests.core.helpers import counter_manager, fail_send_number, incr
 
 
@@ -104,3 +105,34 @@ async def test_a_write_in_flight_when_the_replica_halts_ends_at_once(
             await asyncio.wait_for(write, 60.0)
         assert isinstance(caught.value.__cause__, ReplicaHaltedError)
         assert manager.position == 0  # its own acked record was not applied after the halt
+
+
+async def test_closing_with_a_write_queued_again_after_a_failed_send_reports_it_unknown(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A send that failed may still have been persisted, so its write, queued for a retry,
+    # may be applied by other replicas. Closing before the retry gave it ClosedError ("not
+    # appended"); its outcome is unknown.
+    manager = counter_manager(service_url, topic, admin_url)
+    await manager.open()
+    try:
+        await manager.write(lambda s: [incr("a")])
+        fail_send_number(monkeypatch, 1)
+        acquire = Writer._acquire
+
+        async def slow_acquire(self: Writer, **options: Any) -> None:
+            await asyncio.sleep(2.0)  # the close comes while the write waits for its retry
+            await acquire(self, **options)
+
+        monkeypatch.setattr(Writer, "_acquire", slow_acquire)
+        write = asyncio.ensure_future(manager.write(lambda s: [incr("b")]))
+        for _ in range(200):
+            if manager.stats.write_retries:
+                break
+            await asyncio.sleep(0.05)
+        assert manager.stats.write_retries == 1
+        assert not write.done()
+    finally:
+        await manager.aclose()
+    with pytest.raises(WriteOutcomeUnknownError, match="closed before"):
+        await write
