@@ -108,6 +108,15 @@ def _fingerprint(parsed: Any) -> int:
     return int(digest, 16) if isinstance(digest, str) else int(digest)
 
 
+def _plain(value: Any) -> Any:
+    """``value`` with every dict and list (subclasses included) as a plain dict and list."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
+
+
 class AvroCodec(Generic[T]):
     """Avro values checked against ``schema``, in Avro's single-object encoding.
 
@@ -141,7 +150,14 @@ class AvroCodec(Generic[T]):
         buffer.write(self._prefix)
         try:
             fastavro.validation.validate(value, self.schema, raise_errors=True)
-            fastavro.schemaless_writer(buffer, self.schema, value)
+            try:
+                fastavro.schemaless_writer(buffer, self.schema, value)
+            except TypeError:
+                # fastavro's writer takes only exact lists for arrays, where its validation
+                # (and Avro) take any list: a PulsarMap's read-only values hold FrozenLists.
+                buffer.seek(len(self._prefix))
+                buffer.truncate()
+                fastavro.schemaless_writer(buffer, self.schema, _plain(value))
         except Exception as exc:
             raise CodecError(f"value does not match the Avro schema: {exc}") from exc
         return buffer.getvalue()

@@ -212,6 +212,7 @@ class SyncFacade(Generic[R]):
         self._timeouts = timeouts
         self._owns_portal = portal is None
         self._portal = portal if portal is not None else BlockingPortal()
+        self._closed = False
 
     @property
     def portal(self) -> BlockingPortal:
@@ -225,7 +226,11 @@ class SyncFacade(Generic[R]):
         return self
 
     def close(self, *, timeout: float = 10.0) -> None:
-        """Close the resource (its ``aclose(timeout=timeout)``) and the portal if owned."""
+        """Close the resource (its ``aclose(timeout=timeout)``) and the portal if owned;
+        again, it does nothing (as ``aclose``)."""
+        if self._closed:
+            return
+        self._closed = True
         self._portal.forget_at_exit(self._resource)
         try:
             self._portal.call(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -1075,17 +1076,22 @@ class _SnapshotImage(MapState[K, V]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MapState) or other.position != self.position:
             return False
-        mine, theirs = iter(self.entries_in_order()), iter(other.entries_in_order())
-        for a, b in zip(mine, theirs, strict=False):
+        pairs = itertools.zip_longest(
+            self.entries_in_order(), other.entries_in_order(), fillvalue=_ENDED
+        )
+        for a, b in pairs:
+            if a is _ENDED or b is _ENDED:
+                return False  # one has more entries (zip() dropped the first extra one)
             if a != b:
                 # Another order (a key codec whose bytes do not sort as keys do): compare
                 # as mappings, in memory (rare).
                 return dict(self.entries_in_order()) == dict(other.entries_in_order())
-        # Both ended together?
-        return next(mine, None) is None and next(theirs, None) is None
+        return True
 
     __hash__ = None
 
+
+_ENDED: Final = object()  # what the shorter of two entry sequences gives once it ended
 
 # Codecs whose encode(decode(b)) is b for any b they encoded: a snapshot's entries are not
 # decoded to check it. Any other codec is checked entry by entry as the snapshot is made.

@@ -104,6 +104,15 @@ def test_an_open_that_fails_in_with_closes_the_resource_and_stops_its_own_portal
         shared.stop()
 
 
+def test_closing_a_facade_again_does_nothing() -> None:
+    resource = Resource()
+    facade = SyncFacade(resource, resource, None)
+    with facade:
+        pass
+    facade.close()  # before: ClosedError("the portal is stopped"); aclose() may be called twice
+    assert resource.events == ["open None", "aclose"]
+
+
 def test_close_waits_as_long_as_the_resources_close_may_take(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
