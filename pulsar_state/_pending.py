@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,27 +370,28 @@ class PendingWrites:
         error: Callable[[OutgoingRecord[PendingWrite]], BaseException],
     ) -> None:
         """The records certainly were not persisted: fail their writes with ``error``."""
-        for outgoing in records:
-            record_id = outgoing.record.record_id
-            if self._in_flight.pop(record_id, None) is None:
-                continue
-            for pending in outgoing.writes:
-                pending.outstanding.discard(record_id)
-                if not pending.future.done():
-                    pending.future.set_exception(error(outgoing))
+        for outgoing, pending in self._never_landing(records):
+            if not pending.future.done():
+                pending.future.set_exception(error(outgoing))
 
     def withdraw(self, records: list[OutgoingRecord[PendingWrite]]) -> None:
         """The records were never handed to the client, so none can land: out of flight,
         and their writes queued again (not counted as retries)."""
-        again: list[PendingWrite] = []
+        again = [pending for _, pending in self._never_landing(records)]
+        self.requeue(list(dict.fromkeys(again)), retry_count=False)
+
+    def _never_landing(
+        self, records: list[OutgoingRecord[PendingWrite]]
+    ) -> Iterator[tuple[OutgoingRecord[PendingWrite], PendingWrite]]:
+        """Take ``records``, certainly not persisted, out of flight: each write of those
+        still in flight, with its record (whose id it no longer waits for)."""
         for outgoing in records:
             record_id = outgoing.record.record_id
             if self._in_flight.pop(record_id, None) is None:
                 continue
             for pending in outgoing.writes:
                 pending.outstanding.discard(record_id)
-                again.append(pending)
-        self.requeue(list(dict.fromkeys(again)), retry_count=False)
+                yield outgoing, pending
 
     def requeue_unseen(self, records: list[OutgoingRecord[PendingWrite]]) -> None:
         # They keep their outstanding record ids: if one of those lands later and is accepted,
