@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ._errors import CorruptRecordError
@@ -45,6 +46,7 @@ __all__ = [
     "encode_record",
     "message_fingerprint",
     "record_overhead",
+    "write_size",
 ]
 
 MAGIC = b"PSR\x01"
@@ -110,9 +112,22 @@ def encode_record(record: Record) -> bytes:
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def record_overhead(writer_id: str) -> int:
-    """Bytes a record takes beyond its ops, generously: for size checks before encoding."""
-    return len(MAGIC) + _CRC.size + 3 * len(writer_id) + 64
+def record_overhead(writer_id: str, base_record_id: str) -> int:
+    """The bytes of a record (without meta) besides its writes: its size is this plus each
+    write's :func:`write_size`, exactly."""
+    return (
+        len(MAGIC)
+        + _HEAD.size
+        + len(writer_id.encode())
+        + len(base_record_id.encode())
+        + _U16.size
+        + _CRC.size
+    )
+
+
+def write_size(ops: Sequence[bytes]) -> int:
+    """The bytes a write of these encoded ops takes in a record."""
+    return _WRITE.size + sum(_U32.size + len(op) for op in ops)
 
 
 def decode_record(payload: bytes, *, message_id: str) -> Record:

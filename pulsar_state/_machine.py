@@ -102,8 +102,9 @@ def _private_copy(value: Any) -> Any:
 
 
 class MutatedInPlaceError(Exception):
-    """``apply`` returned None (mutated its input) although ``copy_state=None`` promised it
-    never does: the trial run has just changed the live state."""
+    """``apply`` or ``begin_record`` returned None (mutated its input) although
+    ``copy_state=None`` promised neither does: the trial run has just changed the live
+    state."""
 
 
 class StateMachine(Generic[S, Op]):
@@ -177,7 +178,14 @@ class StateMachine(Generic[S, Op]):
         """
         if begins is not None and self._begin_record is not None:
             begun = self._begin_record(state, begins)
-            state = state if begun is None else begun
+            if begun is not None:
+                state = begun
+            elif trial and self._pure:
+                raise MutatedInPlaceError(
+                    "begin_record returned None (changed the state in place) but "
+                    "copy_state=None promises the state is never mutated; return a new state "
+                    "from begin_record, or pass copy_state (default copy.deepcopy)"
+                )
         for op in ops:
             try:
                 new_state = self._apply(state, op)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from ._envelope import Record, Write, encode_record, record_overhead
+from ._envelope import Record, Write, encode_record, record_overhead, write_size
 from ._errors import ApplyError, CodecError, ConfigurationError, RecordTooLargeError
 from ._machine import MutatedInPlaceError, StateMachine
 
@@ -100,14 +100,25 @@ class RecordBuilder(Generic[S, Op]):
         machine = self._machine
         max_bytes = self._limits.max_record_bytes
         max_writes = self._limits.max_writes_per_record
-        overhead = record_overhead(self._writer_id)
+        writer_id = self._writer_id
+        # A write must fit a record of its own on this base or, once a record of this batch
+        # is full, on that record (whose id is this writer's, with a sequence number).
+        largest_overhead = max(
+            record_overhead(writer_id, last_record_id),
+            record_overhead(writer_id, f"{writer_id}/{2**63}"),
+        )
         result: Batch[W] = Batch()
         trial = machine.trial_copy(state)
         # What was applied to the trial state, to rebuild it when a write fails half-way.
         applied: list[tuple[int, list[Any]]] = []
         base_version, base_id = version, last_record_id
         group: list[tuple[W, list[bytes]]] = []
-        group_size = overhead
+        group_size = record_overhead(writer_id, base_id)
+
+        def make_room(size: int) -> None:
+            # A write of ``size`` bytes joins the group: first send the group if it is full.
+            if group and (len(group) >= max_writes or group_size + size > max_bytes):
+                flush()
 
         def flush() -> None:
             nonlocal base_version, base_id, group, group_size
@@ -124,7 +135,7 @@ class RecordBuilder(Generic[S, Op]):
                 OutgoingRecord(record, encode_record(record), [w for w, _ in group])
             )
             base_version, base_id = base_version + 1, record.record_id
-            group, group_size = [], overhead
+            group, group_size = [], record_overhead(writer_id, base_id)
 
         for request in batch:
             try:
@@ -134,9 +145,13 @@ class RecordBuilder(Generic[S, Op]):
                 continue
             if not ops:
                 # A conditional write that changes nothing appends nothing. After writes of
-                # this batch it rides in their record (its outcome depends on theirs).
-                if group:
+                # this batch it rides in their record, or the next (its outcome depends on
+                # theirs): only one decided on the base state itself can be confirmed there.
+                if group or applied:
+                    size = write_size([])
+                    make_room(size)
                     group.append((request, []))
+                    group_size += size
                 else:
                     result.unchanged.append(request)
                 continue
@@ -145,8 +160,8 @@ class RecordBuilder(Generic[S, Op]):
             except CodecError as exc:
                 result.refused.append((request, exc))
                 continue
-            size = sum(len(e) + 8 for e in encoded) + 16
-            if size + overhead > max_bytes:
+            size = write_size(encoded)
+            if size + largest_overhead > max_bytes:
                 error = RecordTooLargeError(
                     f"write of {size} bytes exceeds max_record_bytes={max_bytes}",
                     size=size,
@@ -154,8 +169,7 @@ class RecordBuilder(Generic[S, Op]):
                 )
                 result.refused.append((request, error))
                 continue
-            if group and (len(group) >= max_writes or group_size + size > max_bytes):
-                flush()
+            make_room(size)
             record_version = base_version + 1  # the version of the record this write joins
             try:
                 trial = machine.apply_write(

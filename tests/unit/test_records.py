@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -224,6 +225,22 @@ def test_in_place_apply_without_copy_state_halts_and_sends_nothing() -> None:
     assert isinstance(error, ConfigurationError)
 
 
+def test_in_place_begin_record_without_copy_state_halts_and_sends_nothing() -> None:
+    # Before: apply was checked, begin_record was not; its in-place stamp on the trial run
+    # changed the live state, which then got the stamp twice (once more on the apply).
+    def pure(state: State, op: Op) -> State:
+        return {**state, "count": state["count"] + 1}
+
+    live = new_state()
+    batch = builder(apply=pure, copy_state=None, begin_record=begin).build(
+        requests(ops("a")), live, 0, ""
+    )
+    assert batch.records == []
+    assert batch.halt is not None
+    assert isinstance(batch.halt[1], ConfigurationError)
+    assert "begin_record" in str(batch.halt[1])
+
+
 def test_pure_apply_without_copy_state_is_fine() -> None:
     def pure(state: State, op: Op) -> State:
         return {**state, "count": state["count"] + 1}
@@ -249,3 +266,71 @@ def test_every_good_write_is_sent_once_in_order(max_writes: int) -> None:
     reqs = requests(*(ops(str(i)) for i in range(10)))
     batch = builder(Limits(max_writes_per_record=max_writes)).build(reqs, new_state(), 0, "")
     assert [w.write_seq for o in batch.records for w in o.writes] == list(range(1, 11))
+
+
+def test_writes_with_no_ops_riding_in_records_count_against_both_limits() -> None:
+    # Before: writes with no ops after a write joined its record uncounted, so a record
+    # carried 39 writes (limit 4) and went past max_record_bytes.
+    limits = Limits(max_record_bytes=1024, max_writes_per_record=4)
+    reqs = requests(ops("x" * 850), *(lambda _s: [] for _ in range(38)))
+    batch = builder(limits).build(reqs, new_state(), 0, "")
+    assert batch.refused == []
+    assert batch.unchanged == []  # all decided after the first write: they ride with it
+    assert sum(len(o.writes) for o in batch.records) == 39
+    for outgoing in batch.records:
+        assert len(outgoing.record.writes) <= 4
+        assert len(outgoing.payload) <= 1024
+
+
+def test_a_long_base_record_id_counts_against_max_record_bytes() -> None:
+    # Before: the size check counted this writer's id, not the base record's (another
+    # writer's id, which may be much longer): the record went past the limit.
+    long_base = "some-long-process-name-" * 8 + "0123456789ab/7"
+    for size in range(700, 1000, 7):
+        batch = builder(Limits(max_record_bytes=1024)).build(
+            requests(ops("y" * size)), new_state(), 5, long_base
+        )
+        for outgoing in batch.records:
+            assert len(outgoing.payload) <= 1024, size
+        assert len(batch.records) + len(batch.refused) == 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_records_never_pass_either_limit(seed: int) -> None:
+    rng = random.Random(seed)
+    limits = Limits(
+        max_record_bytes=rng.randrange(300, 3000), max_writes_per_record=rng.randrange(1, 6)
+    )
+    generators = [
+        (lambda _s: [])
+        if rng.random() < 0.3
+        else ops(*("z" * rng.randrange(0, 900) for _ in range(rng.randrange(1, 3))))
+        for _ in range(40)
+    ]
+    base = "b" * rng.randrange(0, 300) + "/1"
+    batch = builder(limits).build(requests(*generators), new_state(), 3, base)
+    for outgoing in batch.records:
+        assert len(outgoing.record.writes) <= limits.max_writes_per_record
+        assert len(outgoing.payload) <= limits.max_record_bytes
+        assert decode_record(outgoing.payload, message_id="t") == outgoing.record
+    built = sum(len(o.writes) for o in batch.records)
+    assert built + len(batch.refused) + len(batch.unchanged) == 40
+
+
+def test_a_write_with_no_ops_decided_after_a_write_of_the_batch_is_never_unchanged() -> None:
+    # "unchanged" writes are confirmed on the base state: one decided on a state holding an
+    # earlier write of the batch must ride in a record after it, even when the record that
+    # write is in was sent (full) and the write after it failed.
+    seen: list[int] = []
+
+    def decide(state: State) -> list[Op]:
+        seen.append(state["count"])
+        return []
+
+    reqs = requests(ops("a"), lambda _s: [{"tag": "b", "boom": True}], decide)
+    batch = builder(Limits(max_writes_per_record=1)).build(reqs, new_state(), 0, "")
+    assert seen == [1]  # decided on the state with "a"
+    assert [r for r, _e in batch.refused] == [reqs[1]]
+    assert batch.unchanged == []
+    assert [[w.write_seq for w in o.writes] for o in batch.records] == [[1], [3]]
+    assert batch.records[1].record.base_record_id == batch.records[0].record.record_id
