@@ -24,7 +24,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -884,8 +884,8 @@ class Writer:
         """The records of the next batch of queued writes (built on the replica's state);
         the writes that append nothing are settled here."""
         records, unchanged = self._build_now()
-        if unchanged:
-            await self._settle_unchanged(unchanged)
+        if unchanged and not await self._settle_unchanged(unchanged, records):
+            return []
         return records
 
     def _build_now(self) -> tuple[list[OutgoingRecord[PendingWrite]], list[PendingWrite]]:
@@ -1133,21 +1133,28 @@ class Writer:
         if read_back is not None:
             raise read_back
 
-    async def _settle_unchanged(self, writes: list[PendingWrite]) -> None:
-        # Writes that append nothing were decided on this replica's state. Holding the
-        # exclusive writer is not proof enough that it is the latest (another process may
-        # have fenced us): the decision stands only if catching up with the tail accepts no
-        # record; otherwise it is made again on the newer state.
+    async def _settle_unchanged(
+        self, writes: list[PendingWrite], built: Sequence[OutgoingRecord[PendingWrite]] = ()
+    ) -> bool:
+        """Confirm ``writes`` (no ops, decided on the replica's state) if that state is the
+        log's latest; True if so. Otherwise they are queued again, and so are the writes of
+        ``built`` (records of the same batch not sent yet, built on that state): all are
+        decided again on the newer state, in their order."""
+        # Holding the exclusive writer is not proof enough that the state is the latest
+        # (another process may have fenced us): the decision stands only if catching up with
+        # the tail accepts no record.
         version = self._replica.version
+        again = writes + [write for outgoing in built for write in outgoing.writes]
         try:
             await self._bounded(self._catch_up(), "confirming the state of writes with no ops")
         except BaseException:
-            self._pending.requeue(writes)
+            self._pending.requeue(again)
             raise
         if self._replica.version != version or self._replica.halt is not None:
-            self._pending.requeue(writes)
-            return
+            self._pending.requeue(again)
+            return False
         self._pending.complete_unchanged(writes, self._replica.state, version)
+        return True
 
     async def _send_failed(
         self,

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from pulsar_state import (
+    BrokerUnavailableError,
     PulsarStateError,
     ReplicaHaltedError,
     WriteOutcomeUnknownError,
@@ -17,7 +18,7 @@ from pulsar_state import (
 from pulsar_state._pulsar import LogPosition, StateReader, StateWriter
 from pulsar_state._replica import Replica
 from pulsar_state._writer import Writer
-from tests.core.helpers import counter_manager, fail_send_number, incr
+from tests.core.helpers import counter_manager, fail_send_number, incr, seen_by
 
 
 async def wait_until_forgotten(manager: Any, timeout: float = 10.0) -> int:
@@ -136,3 +137,37 @@ async def test_closing_with_a_write_queued_again_after_a_failed_send_reports_it_
         await manager.aclose()
     with pytest.raises(WriteOutcomeUnknownError, match="closed before"):
         await write
+
+
+async def test_a_write_built_beside_a_write_of_no_ops_whose_check_failed_is_retried(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One batch: a write with no ops (decided on the base state, so it first checks that
+    # state is the latest) and a write with ops. The check fails once (injected: the
+    # catch-up with the tail). Before: the write with ops, taken from the queue and built,
+    # was neither sent nor queued again, so it ended only at its deadline; now both are
+    # decided again and succeed.
+    bounded = Writer._bounded
+    failures: list[str] = []
+
+    async def failing_once(self: Writer, awaitable: Any, what: str) -> None:
+        if "writes with no ops" in what and not failures:
+            failures.append(what)
+            awaitable.close()
+            raise BrokerUnavailableError("injected: the catch-up failed")
+        await bounded(self, awaitable, what)
+
+    async with counter_manager(service_url, topic, admin_url, write_timeout_s=20.0) as manager:
+        await manager.write(lambda s: [incr("a")])
+        monkeypatch.setattr(Writer, "_bounded", failing_once)
+        nothing, something = await asyncio.wait_for(
+            asyncio.gather(
+                manager.write(lambda s: [], reader=lambda s: s["count"]),
+                manager.write(lambda s: [incr("b")]),
+            ),
+            15.0,  # under write_timeout_s: a write that waits for its deadline fails here
+        )
+        assert failures
+        assert nothing.value in (1, 2)
+        assert something.position == 2
+        assert await seen_by(manager) == {"a": 1, "b": 1}
