@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
@@ -81,18 +82,41 @@ class StrCodec:
 _JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):  # 1e999
+        raise ValueError(f"number {text} is out of range")
+    return number
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_JSON_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
+
+
 class JsonCodec:
-    """JSON values (dict, list, str, int, float, bool, None) as compact UTF-8 JSON."""
+    """JSON values (dict, list, str, int, float, bool, None) as compact UTF-8 JSON.
+
+    Whatever decodes also encodes again (a snapshot, a disk store re-encode values), so every
+    replica treats a value from another program alike: NaN and infinite numbers are refused
+    both ways, and a lone surrogate (``"\\ud800"``, which JSON may escape) is written as
+    that escape.
+    """
 
     def encode(self, value: Any, /) -> bytes:
         try:
-            return _JSON_ENCODER.encode(value).encode("utf-8")
+            # Only a lone surrogate cannot be UTF-8, and only inside a string: its
+            # backslash escape is the JSON escape.
+            return _JSON_ENCODER.encode(value).encode("utf-8", "backslashreplace")
         except (TypeError, ValueError) as exc:
             raise CodecError(f"value is not JSON-serialisable: {exc}") from exc
 
     def decode(self, data: bytes, /) -> Any:
         try:
-            return json.loads(bytes(data))
+            raw = bytes(data)  # decoded to text as json.loads does it
+            return _JSON_DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
         except (ValueError, UnicodeDecodeError) as exc:
             raise CodecError(f"bytes are not valid JSON: {exc}") from exc
 

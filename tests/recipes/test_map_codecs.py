@@ -16,7 +16,7 @@ from pulsar_state import (
     SchemaMismatchError,
     StrCodec,
 )
-from recipes import PulsarMap
+from recipes import DiskStore, PulsarMap
 from tests.core.helpers import topic_message_count
 from tests.recipes.helpers import WAIT_S, new_map
 
@@ -221,3 +221,29 @@ async def test_avro_values_holding_arrays_are_encoded_again_once_stored(
         assert reopened.manager.stats.snapshot_loaded_position == position
         assert reopened.get_local("o2") == {"id": "o1", "items": ["apple", "pear"]}
         assert reopened.get_local("o1") == {"id": "o1", "items": []}
+
+
+@pytest.mark.parametrize("foreign", [b"NaN", b'{"x": Infinity}', b"[1e999]"])
+async def test_a_json_value_that_cannot_be_encoded_again_halts_every_replica_alike(
+    service_url: str, admin_url: str, topic: str, tmp_path: Any, foreign: bytes
+) -> None:
+    # Python's JSON decoder takes NaN and infinite numbers, its encoder (strict JSON) does
+    # not: before, a memory replica took such a value from another writer and went on (its
+    # snapshots then failed) while a disk replica halted storing it. Now decoding refuses
+    # it, so every replica halts at the same record, loudly.
+    async with (
+        new_map(service_url, topic, admin_url) as memory,
+        new_map(service_url, topic, admin_url, store=DiskStore(tmp_path / "s")) as disk,
+        new_map(service_url, topic, admin_url, value_codec=BytesCodec()) as raw,
+    ):
+        await memory.put("good", 1)
+        await disk.sync()
+        good = memory.position
+        await raw.put("bad", foreign)
+        for replica in (memory, disk):
+            with pytest.raises(ReplicaHaltedError) as error:
+                await replica.sync(timeout=WAIT_S)
+            assert CodecError in causes(error.value)
+            assert replica.position == good
+    with pytest.raises(CodecError):
+        JsonCodec().decode(foreign)
