@@ -69,6 +69,7 @@ from ._map_ops import (
     _TrialMapState,
     _Values,
 )
+from ._sorted_table import exact_key
 
 __all__ = [
     "DiskDurability",
@@ -154,6 +155,18 @@ def key_from_store(data: bytes) -> Any:
             return int.from_bytes(data[6:], "big")
         return -int.from_bytes(data[6:].translate(_INVERT), "big")
     raise CodecError(f"not a stored key: {data[:16]!r}")
+
+
+def _exact(key: Any) -> Any:
+    """The stored key a key looked up names, or None when no stored key can equal it.
+
+    A key equal to a stored one but of another type (a str enum member, True for 1, an
+    IntEnum) names that key, as it does in a dict (the in-memory map)."""
+    if type(key) in KEY_TYPES:
+        return key
+    hash(key)  # an unhashable key raises TypeError, as a dict would
+    exact = exact_key(key)
+    return exact if type(exact) in KEY_TYPES else None
 
 
 def _bound(key: Any) -> bytes | None:
@@ -631,14 +644,14 @@ class DiskMapState(MapState[K, V]):
         found = cache.get(key)
         if found is not None:
             return found
-        if type(key) not in KEY_TYPES:
-            hash(key)  # an unhashable key raises TypeError, as a dict would
+        exact = _exact(key)
+        if exact is None:
             return None
-        raw = self._txn().get(store_key(key))
+        raw = self._txn().get(store_key(exact))
         if raw is None:
             return None
         entry, size = self._decode(raw)
-        cache.put(key, entry, size)
+        cache.put(exact, entry, size)
         return entry
 
     def exists(self, key: K) -> bool:
@@ -650,10 +663,8 @@ class DiskMapState(MapState[K, V]):
         self._settle()
         if self._cache.peek(key) is not None:
             return True
-        if type(key) not in KEY_TYPES:
-            hash(key)
-            return False
-        return self._txn().get(store_key(key)) is not None
+        exact = _exact(key)
+        return exact is not None and self._txn().get(store_key(exact)) is not None
 
     def count(self) -> int:
         """How many keys the state holds now (the record being applied included)."""

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
 from pulsar_state import (
@@ -18,7 +18,7 @@ from pulsar_state import (
     SharedStateManager,
 )
 
-from ._map_ops import MapEvent, MapOp, MapState, readable
+from ._map_ops import MapEntry, MapEvent, MapOp, MapState, readable
 
 __all__ = ["MapWatch", "WatchHub", "WatchOverflowError"]
 
@@ -83,7 +83,9 @@ class _Feed(Generic[K, V]):
         accepted = [event for event in events if self.accept(event)]
         if not accepted:
             return
-        if len(self.queue) + len(accepted) > self.max_queue:
+        # A consumer holding nothing queued takes a record of any size (it is in memory
+        # already): only a consumer more than max_queue changes behind overflows.
+        if self.queue and len(self.queue) + len(accepted) > self.max_queue:
             self.queue.clear()
             self.error = WatchOverflowError(
                 f"the watch's consumer fell more than {self.max_queue} changes behind (at "
@@ -200,14 +202,28 @@ class WatchHub(Generic[K, V]):
         self._started = False  # the manager is open (the sentinel's wait_for needs it)
 
     def open(
-        self, accept: Callable[[MapEvent[K, V]], bool], *, snapshot: bool, max_queue: int
+        self,
+        accept: Callable[[MapEvent[K, V]], bool],
+        *,
+        snapshot: bool,
+        max_queue: int,
+        candidates: Callable[[MapState[K, V]], Iterable[K]] | None = None,
     ) -> MapWatch[K, V]:
+        """A watch of the changes ``accept`` takes; its snapshot holds the entries ``accept``
+        takes among those of ``candidates(state)`` (None: every key), in key order."""
         # One synchronous step (no await): the snapshot and the subscription see the same state.
         state = self._state
         position = self._manager.position
         initial: list[MapEvent[K, V]] = []
         if snapshot:
-            for key, entry in state.entries_in_order():
+            entries: Iterable[tuple[K, MapEntry[V] | None]] = (
+                state.entries_in_order()
+                if candidates is None
+                else ((key, state.lookup(key)) for key in candidates(state))
+            )
+            for key, entry in entries:
+                if entry is None:
+                    continue
                 event = MapEvent("put", key, entry.value, entry.version, position, initial=True)
                 if accept(event):
                     initial.append(event)
@@ -253,6 +269,13 @@ class WatchHub(Generic[K, V]):
     def fail_all(self, error: PulsarStateError) -> None:
         for feed in list(self._feeds):
             feed.fail(error)
+
+    def end(self, error: PulsarStateError) -> None:
+        """End every watch with ``error`` and stop watching for a halt (a hub replaced)."""
+        self.fail_all(error)
+        sentinel, self._sentinel = self._sentinel, None
+        if sentinel is not None:
+            sentinel.cancel()
 
     async def aclose(self) -> None:
         self.fail_all(ClosedError("the map is closed"))

@@ -12,6 +12,7 @@ change and per lookup, O(log n + k) per range.
 from __future__ import annotations
 
 import operator
+import sys
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
@@ -54,6 +55,21 @@ def exact_key(key: Any) -> Any:
     if isinstance(key, float) and key.is_integer():
         return int(key)
     return key
+
+
+def prefix_end(prefix: str | bytes) -> str | bytes | None:
+    """The first key past every key starting with ``prefix`` (of its type), or None when no
+    such key exists (the prefix is empty or all of its last character's largest value): the
+    keys starting with ``prefix`` are the keys ``k`` of its type with ``prefix <= k < end``."""
+    if isinstance(prefix, str):
+        stripped = prefix.rstrip(chr(sys.maxunicode))
+        if not stripped:
+            return None
+        return stripped[:-1] + chr(ord(stripped[-1]) + 1)
+    stripped_bytes = prefix.rstrip(b"\xff")
+    if not stripped_bytes:
+        return None
+    return stripped_bytes[:-1] + bytes((stripped_bytes[-1] + 1,))
 
 
 def sort_keys(keys: list[K]) -> list[K]:

@@ -69,6 +69,7 @@ from ._map_ops import (
     thaw,
 )
 from ._map_watch import MapWatch, WatchHub, WatchOverflowError
+from ._sorted_table import exact_key, prefix_end
 
 __all__ = ["PulsarMap"]
 
@@ -344,7 +345,7 @@ class PulsarMap(Generic[K, V]):
         old, self._state = self._watches, live
         self._watches = WatchHub(live, self._manager)
         self._watches.start()
-        old.fail_all(
+        old.end(
             WatchOverflowError(
                 f"the replica of {self.topic} fell forward to a snapshot at position "
                 f"{self.position} (the history before it was trimmed while it was behind): "
@@ -878,7 +879,8 @@ class PulsarMap(Generic[K, V]):
         matching key as ``put``/``delete`` events, and every ``clear`` of the map, each once and
         in log order. Deleting an absent key is not a change.
 
-        Up to ``max_queue`` changes wait for the consumer (the snapshot does not count); a
+        Up to ``max_queue`` changes wait for the consumer (the snapshot does not count; a
+        consumer with none waiting takes one write's changes whatever their number); a
         consumer further behind gets :class:`~recipes.WatchOverflowError` from its next call,
         and the watch stops (open a new one to resynchronise). See :class:`MapWatch`.
 
@@ -925,22 +927,33 @@ class PulsarMap(Generic[K, V]):
                 )
             snapshot = False
         accept: Callable[[MapEvent[K, V]], bool]
+        # The keys whose entries the snapshot may hold (None: every key): a watch on a key
+        # or a prefix reads only those, not the whole map (which a disk store would decode).
+        candidates: Callable[[MapState[K, V]], Iterable[K]] | None = None
         if key is not None:
             watched = self._codecs.key(key)[0]
 
             def accept(event: MapEvent[K, V]) -> bool:
                 return event.kind == "clear" or event.key == watched
 
+            def candidates(state: MapState[K, V]) -> Iterable[K]:
+                return (watched,)
+
         elif prefix is not None:
             if not isinstance(prefix, str | bytes):
                 raise ConfigurationError("prefix must be str or bytes")
-            start = prefix
+            # A str or bytes subclass (a str enum member) matches as its plain value does.
+            start: str | bytes = exact_key(prefix)
+            low, high = cast(K, start), cast("K | None", prefix_end(start))
 
             def accept(event: MapEvent[K, V]) -> bool:
                 found = event.key
                 return event.kind == "clear" or (
                     isinstance(found, type(start)) and cast(Any, found).startswith(start)
                 )
+
+            def candidates(state: MapState[K, V]) -> Iterable[K]:
+                return state.keys_between(low, high)
 
         else:
 
@@ -953,7 +966,9 @@ class PulsarMap(Generic[K, V]):
             def accept(event: MapEvent[K, V]) -> bool:
                 return event.position > after and matches(event)
 
-        return self._watches.open(accept, snapshot=snapshot, max_queue=max_queue)
+        return self._watches.open(
+            accept, snapshot=snapshot, max_queue=max_queue, candidates=candidates
+        )
 
 
 class _View(Mapping[K, V]):

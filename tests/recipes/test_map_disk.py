@@ -6,6 +6,7 @@ reopens to exactly a record boundary of the log."""
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 import os
@@ -498,3 +499,76 @@ async def test_a_disk_map_closed_while_a_snapshot_is_taken_ends_it_first(
     async with new_map(service_url, topic, admin_url, snapshots=True, store=store) as again:
         assert again.stats.records_read == 0  # resumed from its store, which is whole
         assert len(again) == 300_000
+
+
+async def test_a_disk_map_finds_a_key_by_an_equal_key_of_another_type(
+    service_url: str, admin_url: str, topic: str, tmp_path: Path
+) -> None:
+    # A str enum member names its str key, True and an IntEnum their int key, as in the
+    # memory map (a dict): also once the entry has left the cache (cache_bytes=0).
+    class Color(enum.StrEnum):
+        RED = "red"
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    async with (
+        new_map(service_url, topic, admin_url, key_codec=JsonCodec()) as memory,
+        new_map(
+            service_url,
+            topic,
+            admin_url,
+            key_codec=JsonCodec(),
+            store=DiskStore(tmp_path / "s", cache_bytes=0),
+        ) as disk,
+    ):
+        await memory.put_all({"red": "r", 1: "one", 3: "three"})
+        await disk.sync()
+        for m in (memory, disk):
+            # The map's calls take what the key codec takes (JSON: the enum members).
+            for alias, stored in [(Color.RED, "red"), (Level.HIGH, 3)]:
+                assert await m.get(alias) == await m.get(stored), (m, alias)
+                assert await m.version(alias) == await m.version(stored)
+                assert await m.entry(alias) == await m.entry(stored)
+            # The state itself, as a Mapping (transact's view, update's generators, the
+            # local reads) takes any equal key, as a dict does.
+            for alias, stored in [(Color.RED, "red"), (True, 1), (Level.HIGH, 3), (3.0, 3)]:
+                assert m.get_local(alias) == m.get_local(stored), (m, alias)
+                assert alias in m
+                found: list[Any] = []
+                await m.transact(
+                    lambda view: found.append((view.get(alias), alias in view)) or {}  # noqa: B023
+                )
+                assert found == [(await m.get(stored), True)], (m, alias)
+            assert m.get_local(2.5) is None
+            assert 2.5 not in m
+        assert await disk.delete(Color.RED) is True
+        await memory.sync()
+        assert await memory.all() == await disk.all() == [(1, "one"), (3, "three")]
+
+
+async def test_a_disk_watch_on_a_key_or_a_prefix_decodes_only_those_entries(
+    service_url: str, admin_url: str, topic: str, tmp_path: Path
+) -> None:
+    decoded: list[Any] = []
+
+    class CountingCodec(JsonCodec):
+        def decode(self, data: bytes, /) -> Any:
+            decoded.append(data)
+            return super().decode(data)
+
+    store = DiskStore(tmp_path / "s", cache_bytes=0)
+    async with new_map(service_url, topic, admin_url, value_codec=CountingCodec()) as writer:
+        await writer.put_all({f"k{i:04d}": i for i in range(2000)})
+    async with new_map(
+        service_url, topic, admin_url, value_codec=CountingCodec(), store=store
+    ) as disk:
+        decoded.clear()
+        async with disk.changes(key="k0007") as one:
+            event = await one.next(timeout=WAIT_S)
+            assert event is not None
+            assert (event.key, event.value) == ("k0007", 7)
+        async with disk.changes(prefix="k001") as some:
+            keys = [getattr(await some.next(timeout=WAIT_S), "key", None) for _ in range(10)]
+            assert keys == [f"k{i:04d}" for i in range(10, 20)]
+        assert len(decoded) <= 11 * 2, len(decoded)  # not the 2000 entries of the map

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import gc
+import sys
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from pulsar_state import (
     BytesCodec,
     ClosedError,
     ConfigurationError,
+    JsonCodec,
     OperationTimeoutError,
     ReplicaHaltedError,
 )
@@ -345,4 +348,79 @@ async def test_a_map_whose_replica_falls_forward_reads_the_new_state(
         assert m.get_local("a") == 1
         assert sorted(m.keys()) == ["a", "b"]
         with pytest.raises(WatchOverflowError, match="fell forward"):
+            await watch.next(timeout=WAIT_S)
+        # The ended watches' task that waited for a halt ended with them (before: one more
+        # such task stayed until the map closed, for each fall-forward).
+        fresh = m.changes()
+        await asyncio.sleep(0)
+        assert len(sentinels()) == 1
+        fresh.close()
+
+
+def sentinels() -> list[asyncio.Task[Any]]:
+    return [
+        task
+        for task in asyncio.all_tasks()
+        if task.get_name().startswith("pulsar-map-watch-sentinel") and not task.done()
+    ]
+
+
+async def test_a_prefix_given_as_a_str_enum_member_matches_as_its_value(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    class Area(enum.StrEnum):
+        USERS = "user:"
+
+    async with new_map(service_url, topic, admin_url) as m:
+        await m.put_all({"user:1": "ann", "job:1": "x"})
+        watch = m.changes(prefix=Area.USERS)
+        position = (await m.put("user:2", "bob")).position
+        await m.put("job:2", "y")
+        assert brief(await drain(watch, 2)) == [
+            ("put", "user:1", "ann", watch.start_position),
+            ("put", "user:2", "bob", position),
+        ]
+        watch.close()
+
+
+async def test_a_prefix_watch_snapshot_holds_exactly_the_keys_with_the_prefix(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Edge prefixes of the key-order range the snapshot reads: the largest code point and
+    # byte, an empty prefix, and keys of another type around the range.
+    top = chr(sys.maxunicode)
+    keys = ["a", "ab", "ab" + top, "ac", top, top + "x", top * 2, "", "b"]
+    async with new_map(service_url, topic, admin_url, key_codec=JsonCodec()) as m:
+        await m.put_all({**{key: key for key in keys}, 7: "int"})
+        for prefix in ["a", "ab", "ab" + top, top, top * 2, "", "zz"]:
+            async with m.changes(prefix=prefix) as watch:
+                expected = sorted(key for key in keys if key.startswith(prefix))
+                got = await drain(watch, len(expected))
+                assert [e.key for e in got] == expected, prefix
+                with pytest.raises(OperationTimeoutError):
+                    await watch.next(timeout=0.2)
+    async with new_map(service_url, topic + "-bytes", admin_url, key_codec=BytesCodec()) as b:
+        byte_keys = [b"\xff", b"\xff\x00", b"\xfe\xff", b"\xfe\xff\x01", b"\xff\xff", b""]
+        await b.put_all({key: 1 for key in byte_keys})
+        for byte_prefix in [b"\xff", b"\xfe\xff", b"\xfe", b""]:
+            async with b.changes(prefix=byte_prefix) as watch:
+                expected_bytes = sorted(k for k in byte_keys if k.startswith(byte_prefix))
+                got = await drain(watch, len(expected_bytes))
+                assert [e.key for e in got] == expected_bytes, byte_prefix
+                with pytest.raises(OperationTimeoutError):
+                    await watch.next(timeout=0.2)
+
+
+async def test_a_caught_up_consumer_takes_a_write_with_more_changes_than_max_queue(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with new_map(service_url, topic, admin_url) as m:
+        watch = m.changes(max_queue=3)
+        await m.put_all({f"k{i}": i for i in range(10)})  # one record, ten changes
+        assert [e.key for e in await drain(watch, 10)] == [f"k{i}" for i in range(10)]
+        await m.put_all({f"k{i}": -i for i in range(5)})
+        first = await watch.next(timeout=WAIT_S)  # four changes still wait: 4 + 1 > 3
+        assert first is not None
+        await m.put("k9", 0)
+        with pytest.raises(WatchOverflowError):
             await watch.next(timeout=WAIT_S)
