@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, Protocol, Self, TypeVar, overload
 
 from ._envelope import SnapshotManifest
-from ._errors import ClosedError, OperationTimeoutError
+from ._errors import ClosedError, OperationTimeoutError, PulsarStateError
 from ._manager import SharedStateManager, close_budget
 from ._types import ManagerStats, WriteResult
 
@@ -218,6 +218,11 @@ class SyncFacade(Generic[R]):
     def portal(self) -> BlockingPortal:
         return self._portal
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has started."""
+        return self._closed
+
     def open(self, *, timeout: float | None = None) -> Self:
         self._portal.close_at_exit(self._resource)
         self._call(
@@ -296,6 +301,16 @@ class SyncSharedStateManager(SyncFacade[SharedStateManager[S, Op]], Generic[S, O
     @property
     def stats(self) -> ManagerStats:
         return self._manager.stats
+
+    @property
+    def halted(self) -> PulsarStateError | None:
+        """Why this replica stopped applying, or None."""
+        return self._manager.halted
+
+    def read_local(self, reader: Callable[[S], T]) -> T:
+        """``reader`` on the local state, now, no I/O (run on the portal's thread, between
+        the replica's updates)."""
+        return self._portal.call_sync(lambda: self._manager.read_local(reader))
 
     def read(
         self, reader: Callable[[S], T], *, latest: bool = False, timeout: float | None = None

@@ -29,6 +29,11 @@ class SyncEventStream(Generic[T]):
         self._stream = stream
         self._portal = portal
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._stream.closed
+
     def next(self, *, timeout: float | None = None) -> T:
         """The next item; OperationTimeoutError after ``timeout`` s; ClosedError once closed."""
         return self._portal.call(

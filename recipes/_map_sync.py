@@ -42,6 +42,12 @@ class SyncMapWatch(Generic[K, V]):
     def start_position(self) -> int:
         return self._watch.start_position
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called (the close itself runs on the portal's loop)
+        or the watch ended there."""
+        return not self._finalizer.alive or self._watch.closed
+
     def next(self, *, timeout: float | None = None) -> MapEvent[K, V] | None:
         """The next event, or None once the watch is closed (OperationTimeoutError after
         ``timeout`` seconds; None waits as long as it takes)."""
@@ -171,6 +177,10 @@ class SyncPulsarMap(SyncFacade[PulsarMap[K, V]], Generic[K, V]):
 
     def wait_for(self, position: int, *, timeout: float | None = None) -> None:
         self._read(lambda: self._map.wait_for(position, timeout=timeout), timeout)
+
+    def snapshot(self, *, timeout: float | None = None) -> int:
+        """As :meth:`PulsarMap.snapshot`: write a snapshot now; returns its position."""
+        return self._write(lambda: self._map.snapshot(timeout=timeout), timeout)
 
     # ------------------------------------------------------------------ reads
 
@@ -329,11 +339,16 @@ class SyncPulsarMap(SyncFacade[PulsarMap[K, V]], Generic[K, V]):
         prefix: str | bytes | None = None,
         snapshot: bool = True,
         max_queue: int = 10_000,
+        from_position: int | None = None,
     ) -> SyncMapWatch[K, V]:
         """As :meth:`PulsarMap.changes`, as a blocking iterator."""
         watch = self._portal.call_sync(
             lambda: self._map.changes(
-                key=key, prefix=prefix, snapshot=snapshot, max_queue=max_queue
+                key=key,
+                prefix=prefix,
+                snapshot=snapshot,
+                max_queue=max_queue,
+                from_position=from_position,
             )
         )
         return SyncMapWatch(watch, self._portal)

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from pulsar_state import BlockingPortal, ClosedError, SyncFacade, backstop
 
-from ._lease_table import Lease, Mode, NotHeldError
+from ._lease_table import Lease, LeaseTable, Mode, NotHeldError
 from .ownership import Ownership
 
 __all__ = ["SyncOwnership"]
@@ -48,6 +48,10 @@ class SyncOwnership(SyncFacade[Ownership]):
     @property
     def owner(self) -> str:
         return self._ownership.owner
+
+    @property
+    def topic(self) -> str:
+        return self._ownership.topic
 
     @property
     def position(self) -> int:
@@ -116,11 +120,23 @@ class SyncOwnership(SyncFacade[Ownership]):
             raise
         self.release(lease)
 
-    def holders(self, name: str, *, latest: bool = False) -> list[Lease]:
-        return self._forward(lambda: self._ownership.holders(name, latest=latest), None)
+    def holders(
+        self, name: str, *, latest: bool = False, timeout: float | None = None
+    ) -> list[Lease]:
+        return self._read(
+            lambda: self._ownership.holders(name, latest=latest, timeout=timeout), timeout
+        )
 
-    def leases(self, *, latest: bool = False) -> list[Lease]:
-        return self._forward(lambda: self._ownership.leases(latest=latest), None)
+    def holders_local(self, name: str) -> list[Lease]:
+        """As :meth:`Ownership.holders_local` (no I/O)."""
+        return self._portal.call_sync(lambda: self._ownership.holders_local(name))
+
+    def leases(self, *, latest: bool = False, timeout: float | None = None) -> list[Lease]:
+        return self._read(lambda: self._ownership.leases(latest=latest, timeout=timeout), timeout)
+
+    def read_local(self, reader: Callable[[LeaseTable], Any]) -> Any:
+        """As :meth:`Ownership.read_local`: ``reader`` on the local table (no I/O)."""
+        return self._portal.call_sync(lambda: self._ownership.read_local(reader))
 
     def is_held(self, lease: Lease, *, margin: float = 0.0) -> bool:
         async def run() -> bool:

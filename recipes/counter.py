@@ -116,6 +116,10 @@ class SyncCounter(SyncFacade[Counter]):
         self._counter = Counter(pulsar, topic, **options)
         super().__init__(self._counter, self._counter.manager, portal)
 
+    @property
+    def position(self) -> int:
+        return self._counter.position
+
     def add(self, delta: int = 1, *, timeout: float | None = None) -> int:
         return self._write(lambda: self._counter.add(delta, timeout=timeout), timeout)
 

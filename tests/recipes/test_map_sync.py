@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import BlockingPortal, ClosedError, CodecError, OperationTimeoutError
+from pulsar_state import (
+    BlockingPortal,
+    ClosedError,
+    CodecError,
+    ConfigurationError,
+    OperationTimeoutError,
+)
 from recipes import MapEntry, MapEvent, MapVersion, PulsarMap, SyncPulsarMap
 
 WAIT_S = 60.0
@@ -125,3 +131,26 @@ def test_sync_watch_and_close_from_another_thread(
                 assert [(e.kind, e.key, e.value) for e in received] == [("put", "b", 3)]
     finally:
         portal.stop()
+
+
+def test_sync_snapshot_and_a_watch_resumed_from_a_position(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    with sync_map(service_url, topic, admin_url, snapshots=True) as a:
+        a.put("a", 1)
+        resume_after = a.put("b", 2).position
+        a.put("c", 3)
+        snapshot_position = a.snapshot(timeout=WAIT_S)
+        assert snapshot_position == a.position
+        with a.changes(from_position=a.position) as watch:
+            assert not watch.closed
+            a.put("d", 4)
+            event = watch.next(timeout=WAIT_S)
+            assert event is not None
+            assert (event.key, event.initial) == ("d", False)
+        assert watch.closed
+        with pytest.raises(ConfigurationError, match="keeps no history"):
+            a.changes(from_position=resume_after)
+    with sync_map(service_url, topic, admin_url, snapshots=True) as b:
+        assert b.stats.snapshot_loaded_position == snapshot_position
+        assert b.get("d") == 4
