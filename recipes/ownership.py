@@ -412,12 +412,28 @@ class Ownership:
         """Give ``lease`` up (or withdraw a waiting request).
 
         Raises NotHeldError (writing nothing) if it is not held by this Ownership: another
-        owner's, already released, or expired.
+        owner's, already released, or expired. If the release fails otherwise (a timeout, an
+        outage), the lease is no longer renewed: it ends at its expiry unless a retried
+        ``release`` or :meth:`aclose` ends it first.
         """
         self._check_usable()
         self._check_mine(lease)
         self._stop_keeping(lease.id)
         self._mine.discard(lease.id)
+        try:
+            await self._write_release(lease, timeout)
+        except NotHeldError:
+            raise
+        except BaseException:
+            # It may still hold (the release did not land): closing must release it, and
+            # requests waiting for it must still count it as this process's. (A release
+            # that lands later takes it out again, as any release or expiry does.)
+            with contextlib.suppress(PulsarStateError):  # closed or halted: nothing to do
+                if self._manager.read_local(lambda s: lease.id in s.leases):
+                    self._mine.add(lease.id)
+            raise
+
+    async def _write_release(self, lease: Lease, timeout: float | None = None) -> None:
         now = time.time()
 
         def generator(state: LeaseTable) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from recipes import PulsarMap
+from recipes import Ownership, PulsarMap
 
 REPO = Path(__file__).resolve().parents[2]
 # Every wait in these tests is bounded by this; none of them measures speed.
@@ -100,3 +100,8 @@ def recipe_options(admin_url: str, **options: Any) -> dict[str, Any]:
     }
     defaults.update(options)
     return defaults
+
+
+def owners(service_url: str, topic: str, admin_url: str, **options: Any) -> Ownership:
+    """An Ownership with the tests' timeouts."""
+    return Ownership(service_url, topic, **recipe_options(admin_url, **options))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import pytest
 
@@ -27,12 +26,8 @@ from recipes import (
     fence_key,
     fenced_transact,
 )
-from tests.recipes.helpers import new_map, recipe_options
+from tests.recipes.helpers import new_map, owners, recipe_options
 from tests.support.waiting import until
-
-
-def owners(service_url: str, topic: str, admin_url: str, **options: Any) -> Ownership:
-    return Ownership(service_url, topic, **recipe_options(admin_url, **options))
 
 
 async def test_acquire_release_modes_and_tokens(service_url: str, admin_url: str, topic: str):

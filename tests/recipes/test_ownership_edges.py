@@ -10,7 +10,12 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import ConfigurationError, ReplicaHaltedError, SharedStateManager
+from pulsar_state import (
+    ConfigurationError,
+    PulsarStateError,
+    ReplicaHaltedError,
+    SharedStateManager,
+)
 from recipes import (
     LeaderElection,
     Membership,
@@ -18,13 +23,10 @@ from recipes import (
     SyncLeaderElection,
     SyncMembership,
 )
-from recipes._lease_table import LeaseEvent, LeaseTable
-from tests.recipes.helpers import WAIT_S, recipe_options
+from recipes._lease_table import LeaseEvent, LeaseTable, NotHeldError
+from tests.core.helpers import raw_producer
+from tests.recipes.helpers import WAIT_S, owners, recipe_options
 from tests.support.waiting import until
-
-
-def owners(service_url: str, topic: str, admin_url: str, **options: Any) -> Ownership:
-    return Ownership(service_url, topic, **recipe_options(admin_url, **options))
 
 
 async def append_an_op_the_table_refuses(service_url: str, topic: str, admin_url: str) -> None:
@@ -185,3 +187,24 @@ async def test_a_member_with_two_leases_joins_once_and_leaves_with_its_last(
         ]
         assert got[1].position == watcher.ownership.position
         assert await watcher.members() == []
+
+
+async def test_a_lease_whose_release_failed_is_released_when_the_table_closes(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with owners(service_url, topic, admin_url, owner="watcher") as watcher:
+        holder = owners(service_url, topic, admin_url, owner="holder")
+        await holder.open()
+        lease = await holder.acquire("disk", ttl=600.0, keep_alive=False)
+        # A producer outside the library holds the topic: the release cannot write within
+        # its timeout, and writes nothing.
+        async with raw_producer(service_url, holder.topic):
+            with pytest.raises(PulsarStateError) as failed:
+                await holder.release(lease, timeout=1.0)
+            assert not isinstance(failed.value, NotHeldError)
+        await holder.manager.sync(timeout=WAIT_S)
+        assert [held.id for held in holder.holders_local("disk")] == [lease.id]  # still held
+        # Before: the failed release had forgotten the lease, so closing left it held for
+        # its whole TTL (ten minutes); now closing releases it.
+        await holder.aclose()
+        assert await watcher.holders("disk", latest=True) == []
