@@ -7,7 +7,6 @@ that fit the size limits. What goes wrong with one write is reported for that wr
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -88,7 +87,7 @@ class RecordBuilder(Generic[S, Op]):
         self._machine = machine
         self._writer_id = writer_id
         self._limits = limits
-        self._record_seq = itertools.count(1)
+        self._next_seq = 1  # the sequence number of this writer's next record
 
     def build(self, batch: Sequence[W], state: S, version: int, last_record_id: str) -> Batch[W]:
         """Run ``batch``'s generators on a copy of ``state`` (at ``version``, last record
@@ -105,7 +104,7 @@ class RecordBuilder(Generic[S, Op]):
         # is full, on that record (whose id is this writer's, with a sequence number).
         largest_overhead = max(
             record_overhead(writer_id, last_record_id),
-            record_overhead(writer_id, f"{writer_id}/{2**63}"),
+            record_overhead(writer_id, f"{writer_id}/{self._next_seq + len(batch)}"),
         )
         result: Batch[W] = Batch()
         trial = machine.trial_copy(state)
@@ -124,9 +123,10 @@ class RecordBuilder(Generic[S, Op]):
             nonlocal base_version, base_id, group, group_size
             if not group:
                 return
+            record_seq, self._next_seq = self._next_seq, self._next_seq + 1
             record = Record(
                 writer_id=self._writer_id,
-                record_seq=next(self._record_seq),
+                record_seq=record_seq,
                 base_position=base_version,
                 base_record_id=base_id,
                 writes=[Write(w.write_seq, encoded) for w, encoded in group],
@@ -143,18 +143,13 @@ class RecordBuilder(Generic[S, Op]):
             except Exception as exc:  # the caller's generator: its exception, unchanged
                 result.refused.append((request, exc))
                 continue
-            if not ops:
-                # A conditional write that changes nothing appends nothing. After writes of
-                # this batch it rides in their record, or the next (its outcome depends on
-                # theirs): only one decided on the base state itself can be confirmed there.
-                if group or applied:
-                    size = write_size([])
-                    make_room(size)
-                    group.append((request, []))
-                    group_size += size
-                else:
-                    result.unchanged.append(request)
+            if not ops and not (group or applied):
+                # A conditional write that changes nothing appends nothing: decided on the
+                # base state itself, it is confirmed there.
+                result.unchanged.append(request)
                 continue
+            # After writes of this batch, one that changes nothing rides in their record, or
+            # the next (its outcome depends on theirs): as any write, it may open that record.
             try:
                 encoded = machine.encode(ops)
             except CodecError as exc:
@@ -163,7 +158,9 @@ class RecordBuilder(Generic[S, Op]):
             size = write_size(encoded)
             if size + largest_overhead > max_bytes:
                 error = RecordTooLargeError(
-                    f"write of {size} bytes exceeds max_record_bytes={max_bytes}",
+                    f"a write of {size} bytes does not fit a record of "
+                    f"max_record_bytes={max_bytes} (with the record's own "
+                    f"{largest_overhead} bytes)",
                     size=size,
                     limit=max_bytes,
                 )

@@ -334,3 +334,42 @@ def test_a_write_with_no_ops_decided_after_a_write_of_the_batch_is_never_unchang
     assert batch.unchanged == []
     assert [[w.write_seq for w in o.writes] for o in batch.records] == [[1], [3]]
     assert batch.records[1].record.base_record_id == batch.records[0].record.record_id
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_every_generator_sees_the_state_the_replicas_have_before_its_write(seed: int) -> None:
+    # Writes with and without ops, records split by a small limit: a record may be opened
+    # by a write with no ops, and must then be begun on the trial state as the replicas
+    # begin it. Before: it was not, so the writes after it saw another state.
+    rng = random.Random(seed)
+    seen: dict[int, list[int]] = {}
+
+    def generator(seq: int, with_ops: bool) -> Callable[[State], list[Op]]:
+        def generate(state: State) -> list[Op]:
+            seen[seq] = list(state["begun"])
+            return [{"tag": str(seq)}] if with_ops else []
+
+        return generate
+
+    reqs = [Request(generator(seq, seq == 1 or rng.random() < 0.6), seq) for seq in range(1, 30)]
+    limits = Limits(max_writes_per_record=rng.randrange(1, 4))
+    machine: StateMachine[State, Op] = StateMachine(
+        apply_op, JsonCodec(), copy_state=copy.deepcopy, begin_record=begin
+    )
+    batch = RecordBuilder(machine, "w1", limits).build(reqs, new_state(), 0, "")
+    assert batch.unchanged == []
+    assert batch.refused == []
+    # A generator runs before its write joins a record: the first write of a record sees
+    # the state before the record begins, the others the state after the writes before it.
+    replica, before = new_state(), {}
+    for outgoing in batch.records:
+        record = decode_record(outgoing.payload, message_id="t")
+        before[record.writes[0].write_seq] = list(replica["begun"])
+        replica = machine.apply_write(replica, (), begins=record.base_position + 1)
+        for index, (write, ops) in enumerate(
+            zip(record.writes, machine.decode(record, None), strict=True)  # type: ignore[arg-type]
+        ):
+            if index:
+                before[write.write_seq] = list(replica["begun"])
+            replica = machine.apply_write(replica, ops)
+    assert seen == before
