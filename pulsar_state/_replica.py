@@ -82,6 +82,9 @@ _READ_AHEAD_BYTES = 64 * 1024 * 1024
 # is replaced (its unread records skipped) once it has this many read-aheads left.
 _CAUGHT_UP = 4
 _SKIP_AFTER_READ_AHEADS = 16
+# Stale records remembered since the last record accepted (a chain built on an older one is
+# at most a batch long; past this many, the oldest are forgotten and a chain on one halts).
+_MAX_STALE = 65536
 
 
 def read_ahead(max_record_bytes: int) -> int:
@@ -106,6 +109,13 @@ class Replica(Generic[S, Op]):
         self.version = 0  # how many records were accepted
         self.last_record_id = ""
         self.read_to: LogPosition | None = None  # the last message handled
+        # Where the last record accepted is (or the mark loaded): resuming just after it
+        # re-reads the records ignored since, which _stale is made of.
+        self.applied_at: LogPosition | None = None
+        # The ids of the records ignored as stale since the last record accepted: a record
+        # built on one of them (a writer's pipelined chain whose first record was ignored)
+        # is stale too, not a fork. Every replica that reads from applied_at on agrees.
+        self._stale: dict[str, None] = {}
         self.halt: PulsarStateError | None = None
         self.listeners: list[Callable[[AppliedRecord[Op]], None]] = []
         # Internal hooks, called before listeners: (version, state) after each record.
@@ -154,6 +164,8 @@ class Replica(Generic[S, Op]):
         ``read_to`` None: from the log's beginning."""
         self.state, self.version, self.last_record_id = state, version, last_record_id
         self.read_to, self.origin = read_to, origin
+        self.applied_at = read_to
+        self._stale.clear()
         self._stats.position = version
 
     # ------------------------------------------------------------------ the reader
@@ -414,7 +426,7 @@ class Replica(Generic[S, Op]):
                 return
         if record.writer_id != self._writer_id:
             self.foreign_at = time.monotonic()
-        if record.base_position < self.version:
+        if record.base_position < self.version or record.base_record_id in self._stale:
             self._reject(record)
         elif record.base_position == self.version and record.base_record_id == self.last_record_id:
             if (
@@ -547,6 +559,10 @@ class Replica(Generic[S, Op]):
 
     def _reject(self, record: Record) -> None:
         self._stats.records_rejected += 1
+        stale = self._stale
+        stale[record.record_id] = None
+        if len(stale) > _MAX_STALE:  # a flood of stale records: forget the oldest
+            del stale[next(iter(stale))]
         logger.debug(
             "ignoring stale record %s (based on %d/%r, replica at %d/%r)",
             record.record_id,
@@ -653,6 +669,9 @@ class Replica(Generic[S, Op]):
         observe_apply(self._stats, self._context.attributes, time.perf_counter() - started)
         self.version += 1
         self.last_record_id, self.origin = record.record_id, origin
+        self.applied_at = at
+        if self._stale:
+            self._stale.clear()
         self._stats.position = self.version
         for hook in self.after_apply:
             hook(self.version, self.state)

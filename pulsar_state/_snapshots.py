@@ -66,6 +66,9 @@ _CHUNKS_IN_FLIGHT = 8
 _DIGEST_STEP_BYTES = 1024 * 1024
 # How long closing waits for a snapshot taken by hand to stop making parts.
 _TAKES_STOP_S = 10.0
+# The pause before the next automatic snapshot after one failed, doubling up to the maximum.
+_AUTO_RETRY_S = 1.0
+_AUTO_RETRY_MAX_S = 300.0
 
 
 def run_in_own_thread(work: Callable[[], T], name: str) -> asyncio.Future[T]:
@@ -251,6 +254,11 @@ class SnapshotStore:
                         logger.warning("ignoring a damaged snapshot manifest: %s", exc)
                     if message.position >= tail:
                         return found
+        except TimeoutError as exc:  # the library's own error, which callers handle
+            raise OperationTimeoutError(
+                f"reading the snapshot index {self.index_topic} took over {self._timeout_s}s "
+                f"({len(found)} manifests read)"
+            ) from exc
         finally:
             await reader.close()
 
@@ -583,6 +591,10 @@ class SnapshotPolicy(Generic[S]):
         self._last_version = 0
         self._bytes_at_last = 0
         self._task: asyncio.Task[None] | None = None
+        # After an automatic snapshot failed: none is started before this (loop time), and
+        # the pause doubles with each failure in a row (each attempt copies the state).
+        self._auto_after = float("-inf")
+        self._auto_pause = _AUTO_RETRY_S
         # True while a snapshot is being stored into a durable state: its content may change
         # before the replica's version does, so no snapshot is taken meanwhile.
         self._storing = False
@@ -872,10 +884,15 @@ class SnapshotPolicy(Generic[S]):
             raise WriterBusyError(
                 f"a snapshot of {self._topic} is being loaded into this replica; try again"
             )
+        if replica.halt is not None:
+            # Its state may hold part of the record it halted on: never a snapshot of that.
+            raise replica.halted_error()
         # Captured in one synchronous step: the state, its version and the log position.
         state = self._copy_state(replica.state)
         version, record_id, origin = replica.version, replica.last_record_id, replica.origin
-        log_position = replica.read_to or LogPosition(-1, -1)
+        # Where that record is, not how far the replica read: a replica loading the
+        # snapshot reads the records ignored since, as this one did (see Replica._stale).
+        log_position = replica.applied_at or LogPosition(-1, -1)
         bytes_read = self._stats.bytes_read
         started = time.perf_counter()
         try:
@@ -952,6 +969,10 @@ class SnapshotPolicy(Generic[S]):
     def _due(self, *, running_ok: bool = False) -> bool:
         if self._task is not None and not running_ok:
             return False
+        if self._replica.halt is not None:
+            return False
+        if asyncio.get_running_loop().time() < self._auto_after:
+            return False
         records = self._replica.version - self._last_version
         data = self._stats.bytes_read - self._bytes_at_last
         every_records = self._settings.snapshot_every_records
@@ -977,8 +998,15 @@ class SnapshotPolicy(Generic[S]):
             logger.error("automatic snapshot of %s refused: %s", self._topic, exc)
         except PulsarStateError as exc:
             logger.warning("automatic snapshot of %s failed: %s", self._topic, exc)
+        except Exception as exc:  # a snapshot codec's own error: logged, never lost unseen
+            logger.error("automatic snapshot of %s raised: %r", self._topic, exc)
         finally:
             self._task = None
+            if succeeded:
+                self._auto_pause = _AUTO_RETRY_S
+            else:
+                self._auto_after = asyncio.get_running_loop().time() + self._auto_pause
+                self._auto_pause = min(self._auto_pause * 2, _AUTO_RETRY_MAX_S)
         # Writes went on while it ran: if another is already due, take it now. Never after a
         # failure, which would only retry in a loop; the next write checks again.
         if succeeded and not self._context.closed and self._due():

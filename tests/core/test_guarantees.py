@@ -188,6 +188,34 @@ async def test_same_position_other_base_record_halts_as_forked_history(
             pass
 
 
+async def test_a_chain_built_on_a_stale_record_is_ignored_also_after_a_snapshot(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A writer's pipelined records B/1 -> B/2 land after another record on B/1's base (one
+    # persisted late): B/1 is stale, B/2 is built on it. Before: B/2 halted every replica
+    # as a forked history. And a snapshot taken between them named how far its replica had
+    # read (past B/1), so a replica loading it could not know B/1 was stale.
+    async with counter_manager(service_url, topic, admin_url, snapshot_codec=JsonCodec()) as m:
+        await m.write(lambda s: [incr("a")])
+        first_id = m._replica.last_record_id  # test-only peek: B/1 is based on it
+        await m.write(lambda s: [incr("x")])
+        head = Record("B", 1, 1, first_id, [Write(1, [b'{"op":"incr","id":"b1"}'])])
+        await send_raw(service_url, topic, head)
+        await m.sync(timeout=20)
+        manifest = await m.snapshot()
+        chained = Record("B", 2, 2, "B/1", [Write(2, [b'{"op":"incr","id":"b2"}'])])
+        await send_raw(service_url, topic, chained)
+        await m.write(lambda s: [incr("c")])
+        assert await seen_by(m) == {"a": 1, "x": 1, "c": 1}
+        assert m.stats.records_rejected == 2
+    async with counter_manager(
+        service_url, topic, admin_url, snapshot_codec=JsonCodec()
+    ) as resumed:
+        assert resumed.stats.snapshot_loaded_position == manifest.position == 2
+        assert await seen_by(resumed) == {"a": 1, "x": 1, "c": 1}
+        assert resumed.stats.records_rejected == 2  # B/1 read again, then B/2
+
+
 # ---------------------------------------------------------------- (h) smaller defects
 
 

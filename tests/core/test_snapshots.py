@@ -20,7 +20,10 @@ import pytest
 from pulsar_state import (
     CodecError,
     JsonCodec,
+    OperationTimeoutError,
+    PulsarStateError,
     ReplayProgress,
+    ReplicaHaltedError,
     SharedStateManager,
     SnapshotManifest,
 )
@@ -374,3 +377,89 @@ async def test_a_lossy_snapshot_codec_is_refused_at_snapshot_time(
         assert manager.stats.snapshots_written == 0
         await manager.write_ops([{"key": "2", "value": "two"}])  # still usable
         assert await manager.read(lambda s: s) == {1: "one", 2: "two"}
+
+
+async def test_no_automatic_snapshot_of_a_replica_halted_by_a_failing_apply(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # An apply that is not deterministic passes the writer's trial run, then raises on the
+    # record after changing the live state: the replica halts with that half-applied state.
+    # Before: the batch's end still started an automatic snapshot of it, which a replica
+    # loading it would build on (the record applied again on top).
+    calls = {"poison": 0}
+
+    def flaky(state: Counter, op: dict[str, Any]) -> None:
+        if op.get("id") == "poison":
+            calls["poison"] += 1
+            if calls["poison"] == 2:
+                state["count"] += 1000
+                raise RuntimeError("not deterministic")
+        apply_counter(state, op)
+
+    async with counter_manager(
+        service_url,
+        topic,
+        admin_url,
+        apply=flaky,
+        snapshot_every_bytes=1,
+        max_writes_per_record=1,
+        **json_state,
+    ) as m:
+        await m.write(lambda s: [incr("a")])
+        for _ in range(100):  # the automatic snapshot of position 1
+            if m.stats.snapshots_written:
+                break
+            await asyncio.sleep(0.05)
+        assert m.stats.snapshots_written == 1
+        # Two records in one batch (the second halts): the batch's end is reached normally.
+        results = await asyncio.gather(
+            m.write(lambda s: [incr("b")]),
+            m.write(lambda s: [incr("poison")]),
+            return_exceptions=True,
+        )
+        assert isinstance(results[1], PulsarStateError)
+        assert m.halted is not None
+        await asyncio.sleep(1.5)
+        assert m.stats.snapshots_written == 1
+        # What an automatic snapshot runs (test-only: snapshot() itself checks the halt
+        # first): before, it wrote the half-applied state.
+        with pytest.raises(ReplicaHaltedError):
+            await m._snapshots.take(10.0)
+        assert m.stats.snapshots_written == 1
+
+
+async def test_a_failing_automatic_snapshot_waits_before_it_is_tried_again(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each attempt copies and encodes the whole state on the way. Before: after a failure
+    # every later batch started another (here about one per write).
+    attempts = {"encode": 0}
+
+    class Refusing(JsonCodec):
+        def encode(self, value: Any, /) -> bytes:
+            attempts["encode"] += 1
+            raise CodecError("injected: this state cannot be encoded")
+
+    async with counter_manager(
+        service_url, topic, admin_url, snapshot_codec=Refusing(), snapshot_every_records=1
+    ) as m:
+        with caplog.at_level(logging.ERROR, logger="pulsar_state"):
+            for i in range(20):
+                await m.write(lambda s, i=i: [incr(f"w{i}")])
+                await asyncio.sleep(0.01)
+        assert 1 <= attempts["encode"] <= 2, attempts
+        assert "automatic snapshot" in caplog.text
+
+
+async def test_a_slow_snapshot_index_read_is_an_operation_timeout(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Before: a plain TimeoutError, which callers of the library's errors do not catch
+    # (it escaped an automatic snapshot and halted a fall-forward).
+    async with counter_manager(service_url, topic, admin_url, **json_state) as m:
+        await m.write(lambda s: [incr("a")])
+        await m.snapshot()
+        store = m._snapshots._store  # test-only: the store's read of its index, made slow
+        store._timeout_s = 1e-6
+        with pytest.raises(OperationTimeoutError, match="snapshot index"):
+            await store.manifests()
