@@ -107,11 +107,22 @@ class JsonCodec:
 
     def encode(self, value: Any, /) -> bytes:
         try:
-            # Only a lone surrogate cannot be UTF-8, and only inside a string: its
-            # backslash escape is the JSON escape.
-            return _JSON_ENCODER.encode(value).encode("utf-8", "backslashreplace")
+            text = _JSON_ENCODER.encode(value)
         except (TypeError, ValueError) as exc:
             raise CodecError(f"value is not JSON-serialisable: {exc}") from exc
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:
+            pass
+        # Only a surrogate cannot be UTF-8, and only inside a string: its backslash escape
+        # is the JSON escape. A high and a low one in a row would decode as ONE character,
+        # so the escaped text is kept only if it decodes to the value itself.
+        data = text.encode("utf-8", "backslashreplace")
+        if self.decode(data) != value:
+            raise CodecError(
+                "value holds a pair of surrogates in a row, which JSON reads as one character"
+            )
+        return data
 
     def decode(self, data: bytes, /) -> Any:
         try:

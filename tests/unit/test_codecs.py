@@ -28,3 +28,10 @@ def test_json_decode_takes_what_json_loads_takes(data: bytes, value: object) -> 
     codec = JsonCodec()
     assert codec.decode(data) == value
     assert codec.decode(codec.encode(value)) == value
+
+
+def test_json_refuses_surrogates_that_would_decode_as_another_string() -> None:
+    # A high and a low surrogate in a row, escaped, decode as one character: the value
+    # would change (the key of a map would be another key).
+    with pytest.raises(CodecError, match="surrogates"):
+        JsonCodec().encode({"k": "\ud83d\ude00"})
