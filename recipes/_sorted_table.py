@@ -11,6 +11,7 @@ change and per lookup, O(log n + k) per range.
 
 from __future__ import annotations
 
+import numbers
 import operator
 import sys
 from array import array
@@ -40,7 +41,8 @@ def key_order(key: Any) -> tuple[int, Any]:
 
 def exact_key(key: Any) -> Any:
     """``key`` as one of the key types (str, bytes, int) when it is an instance of one of
-    them or an integral number (a str enum member, True, an IntEnum, a numpy integer, 2.0):
+    them or a number equal to an int (a str enum member, True, an IntEnum, a numpy integer,
+    2.0, Decimal(2)):
     equal to it, with the same hash, so it names the same key. Otherwise ``key`` itself."""
     if type(key) in _KEY_RANK:
         return key
@@ -52,8 +54,13 @@ def exact_key(key: Any) -> Any:
         return operator.index(key)
     except TypeError:
         pass
-    if isinstance(key, float) and key.is_integer():
-        return int(key)
+    if isinstance(key, numbers.Number):  # 3.0, Decimal(3), Fraction(3), 3+0j
+        try:
+            whole = int(key.real) if isinstance(key, complex) else int(key)  # type: ignore[call-overload]
+        except (TypeError, ValueError, OverflowError):  # NaN, infinity
+            return key
+        if whole == key and hash(whole) == hash(key):
+            return whole
     return key
 
 

@@ -13,6 +13,8 @@ import os
 import random
 import signal
 import sys
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -532,7 +534,9 @@ async def test_a_disk_map_finds_a_key_by_an_equal_key_of_another_type(
                 assert await m.entry(alias) == await m.entry(stored)
             # The state itself, as a Mapping (transact's view, update's generators, the
             # local reads) takes any equal key, as a dict does.
-            for alias, stored in [(Color.RED, "red"), (True, 1), (Level.HIGH, 3), (3.0, 3)]:
+            aliases = [(Color.RED, "red"), (True, 1), (Level.HIGH, 3), (3.0, 3)]
+            aliases += [(Decimal(3), 3), (Fraction(3), 3), (3 + 0j, 3)]
+            for alias, stored in aliases:
                 assert m.get_local(alias) == m.get_local(stored), (m, alias)
                 assert alias in m
                 found: list[Any] = []
