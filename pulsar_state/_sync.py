@@ -220,8 +220,12 @@ class SyncFacade(Generic[R]):
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` has started."""
-        return self._closed
+        """True once :meth:`close` has started, or the resource was closed otherwise (through
+        the portal, or at interpreter exit)."""
+        # The recipes' facades hold their manager as the timeouts: closed with the recipe.
+        return self._closed or any(
+            bool(getattr(part, "closed", False)) for part in (self._resource, self._timeouts)
+        )
 
     def open(self, *, timeout: float | None = None) -> Self:
         self._portal.close_at_exit(self._resource)

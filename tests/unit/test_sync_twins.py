@@ -88,3 +88,18 @@ def test_a_blocking_twin_offers_every_public_member_with_the_same_parameters(
 
 def _parameters(function: Any) -> list[str]:
     return [name for name in inspect.signature(function).parameters if name != "self"]
+
+
+def test_a_facade_is_closed_once_what_it_wraps_is_closed() -> None:
+    class Closable:
+        closed = False
+        open_timeout_s = read_timeout_s = write_timeout_s = 1.0
+
+    wrapped = Closable()
+    facade: Any = pulsar_state.SyncFacade(wrapped, wrapped, portal=None)  # type: ignore[type-var]
+    try:
+        assert not facade.closed
+        wrapped.closed = True  # closed through the portal, or by the exit hook
+        assert facade.closed
+    finally:
+        facade.portal.stop()
