@@ -91,7 +91,14 @@ class LeaderElection(OneLeaseRecipe):
         lease, self._lease = self._lease, None
         if lease is None:
             raise NotHeldError(f"{self.name} is not leading")
-        await self._ownership.release(lease, timeout=timeout)
+        try:
+            await self._ownership.release(lease, timeout=timeout)
+        except NotHeldError:
+            raise
+        except BaseException:
+            if self._lease is None:  # not released (or not known to be): call again to retry
+                self._lease = lease
+            raise
 
     @property
     def lease(self) -> Lease | None:

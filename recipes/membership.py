@@ -76,7 +76,14 @@ class Membership(OneLeaseRecipe):
         lease, self._lease = self._lease, None
         if lease is None:
             raise NotHeldError(f"{self.name} is not a member")
-        await self._ownership.release(lease, timeout=timeout)
+        try:
+            await self._ownership.release(lease, timeout=timeout)
+        except NotHeldError:
+            raise
+        except BaseException:
+            if self._lease is None:  # not released (or not known to be): call again to retry
+                self._lease = lease
+            raise
 
     def members_local(self) -> list[str]:
         """The members per the local replica (no I/O), sorted."""

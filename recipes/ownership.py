@@ -354,9 +354,10 @@ class Ownership:
         except BaseException as exc:
             self._pending.pop(lease_id, None)
             self._stop_keeping(lease_id)
+            self._mine.discard(lease_id)
             if not isinstance(exc, NotHeldError):
                 await self._withdraw(lease_id)
-            self._mine.discard(lease_id)
+                self._count_while_in_table(lease_id)  # the withdraw may have failed
             if isinstance(exc, TimeoutError) and not isinstance(exc, OperationTimeoutError):
                 raise OperationTimeoutError(
                     f"{list(wanted)} not granted for {mode} within {timeout}s"
@@ -425,13 +426,17 @@ class Ownership:
         except NotHeldError:
             raise
         except BaseException:
-            # It may still hold (the release did not land): closing must release it, and
-            # requests waiting for it must still count it as this process's. (A release
-            # that lands later takes it out again, as any release or expiry does.)
-            with contextlib.suppress(PulsarStateError):  # closed or halted: nothing to do
-                if self._manager.read_local(lambda s: lease.id in s.leases):
-                    self._mine.add(lease.id)
+            self._count_while_in_table(lease.id)  # the release may not have landed
             raise
+
+    def _count_while_in_table(self, lease_id: str) -> None:
+        """Count ``lease_id`` as this process's again if the table still holds it (a release
+        or withdraw that failed): closing must release it, and requests waiting for it must
+        still count it as this process's. A release that lands later takes it out again,
+        as any release or expiry does."""
+        with contextlib.suppress(PulsarStateError):  # closed or halted: nothing to do
+            if self._manager.read_local(lambda s: lease_id in s.leases):
+                self._mine.add(lease_id)
 
     async def _write_release(self, lease: Lease, timeout: float | None = None) -> None:
         now = time.time()

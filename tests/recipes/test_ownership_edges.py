@@ -12,6 +12,7 @@ import pytest
 
 from pulsar_state import (
     ConfigurationError,
+    OperationTimeoutError,
     PulsarStateError,
     ReplicaHaltedError,
     SharedStateManager,
@@ -193,7 +194,8 @@ async def test_a_lease_whose_release_failed_is_released_when_the_table_closes(
     service_url: str, admin_url: str, topic: str
 ) -> None:
     async with owners(service_url, topic, admin_url, owner="watcher") as watcher:
-        holder = owners(service_url, topic, admin_url, owner="holder")
+        # Never fencing (Ownership's default fences a stalled holder after 1 s).
+        holder = owners(service_url, topic, admin_url, owner="holder", takeover_after_s=None)
         await holder.open()
         lease = await holder.acquire("disk", ttl=600.0, keep_alive=False)
         # A producer outside the library holds the topic: the release cannot write within
@@ -208,3 +210,63 @@ async def test_a_lease_whose_release_failed_is_released_when_the_table_closes(
         # its whole TTL (ten minutes); now closing releases it.
         await holder.aclose()
         assert await watcher.holders("disk", latest=True) == []
+
+
+async def test_a_request_whose_withdrawal_failed_is_released_when_the_table_closes(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    holder = owners(service_url, topic, admin_url, owner="holder")
+    await holder.open()
+    await holder.acquire("disk", ttl=600.0, keep_alive=False)
+    requester = owners(
+        service_url,
+        topic,
+        admin_url,
+        owner="requester",
+        write_timeout_s=2.0,
+        takeover_after_s=None,  # never fencing (Ownership's default fences after 1 s)
+    )
+    await requester.open()
+    try:
+        waiting = asyncio.ensure_future(requester.acquire("disk", ttl=600.0, timeout=8.0))
+        await until(lambda: len(holder.read_local(lambda t: t.waiting())) == 1, "queued")
+        await holder.aclose(release=False)  # gone, its lease left to expire
+        # The acquire times out while a producer outside the library holds the topic:
+        # withdrawing the request cannot be written either.
+        async with raw_producer(service_url, requester.topic):
+            with pytest.raises(OperationTimeoutError):
+                await waiting
+        assert len(requester.read_local(lambda t: t.waiting())) == 1  # still queued
+    finally:
+        # Before: the request was forgotten, so closing left it queued for its whole TTL
+        # (ten minutes), first in line; now closing withdraws it.
+        await requester.aclose()
+    async with owners(service_url, topic, admin_url, owner="watcher") as watcher:
+        leases = await watcher.leases(latest=True)
+        assert [(lease.owner, lease.held) for lease in leases] == [("holder", True)]
+
+
+@pytest.mark.parametrize("recipe", ["membership", "election"])
+async def test_a_leave_or_resign_that_failed_can_be_called_again(
+    service_url: str, admin_url: str, topic: str, recipe: str
+) -> None:
+    options = recipe_options(admin_url, write_timeout_s=2.0, takeover_after_s=None)
+    one: Membership | LeaderElection = (
+        Membership(service_url, topic, name="me", ttl=600.0, **options)
+        if recipe == "membership"
+        else LeaderElection(service_url, topic, name="me", ttl=600.0, **options)
+    )
+    async with one:
+        if isinstance(one, Membership):
+            await one.join()
+        else:
+            await one.campaign()
+        give_up = one.leave if isinstance(one, Membership) else one.resign
+        async with raw_producer(service_url, one.ownership.topic):
+            with pytest.raises(PulsarStateError) as failed:
+                await give_up(timeout=1.0)
+            assert not isinstance(failed.value, NotHeldError)
+        # Before: the lease was forgotten at the first call, so this raised NotHeldError
+        # while the table still held it.
+        await give_up(timeout=WAIT_S)
+        assert await one.ownership.leases(latest=True) == []
