@@ -87,7 +87,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from pulsar_state import ConfigurationError
+from pulsar_state import ConfigurationError, PulsarStateError
 
 from ._history import get_history
 from ._sink import SINK_MARKER_PREFIX, PulsarMapSink, SinkMode, combine_rows
@@ -475,13 +475,24 @@ class _ChangeFeedReader(DataSourceStreamReader):  # type: ignore[misc,unused-ign
         tail = get_map(self.spec).sync()
         if tail <= start["position"] and not start.get("snapshot"):
             return start  # nothing new
-        # A pending snapshot makes a batch of its own even with no change after it.
-        return {"position": max(tail, start["position"]), "snapshot": False}
+        # A pending snapshot makes a batch of its own even with no change after it. The end
+        # offset names the start it was planned from ("from"): Spark asks initialOffset()
+        # again to run the first batch (and after a restart before that batch committed),
+        # and "snapshot"/"latest" start at the tail as of each call; the batch Spark logged
+        # must run from where it was planned, or changes come twice or not at all.
+        planned = {"position": start["position"], "snapshot": bool(start.get("snapshot"))}
+        return {"position": max(tail, start["position"]), "snapshot": False, "from": planned}
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         if start == end and not start.get("snapshot"):
             return []
-        return [_Changes(start["position"], end["position"], bool(start.get("snapshot")))]
+        origin = end.get("from", start)
+        if origin["position"] > end["position"]:
+            raise PulsarStateError(
+                f"the change feed's batch would start at position {origin['position']}, after "
+                f"its end {end['position']}: its offsets do not belong to this map's history"
+            )
+        return [_Changes(origin["position"], end["position"], bool(origin.get("snapshot")))]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, _Changes)

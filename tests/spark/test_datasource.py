@@ -16,8 +16,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import LongType, StructField, StructType
 
+from pulsar_state import PulsarStateError
 from recipes.spark import MapSpec, PulsarMapSink, get_map
-from recipes.spark.datasource import FORMAT, register, spark_options
+from recipes.spark.datasource import FORMAT, _ChangeFeedReader, _Layout, register, spark_options
 from tests.spark.conftest import SPARK_MARKS, WAIT_S
 
 pytestmark = SPARK_MARKS
@@ -375,3 +376,34 @@ def test_change_feed_restarted_from_its_checkpoint_yields_every_change_once(
     assert sorted(by_batch) == list(range(len(by_batch)))
     feed = [row for batch_id in sorted(by_batch) for row in by_batch[batch_id]]
     assert feed == expected  # every change once, in log order, no gap, no duplicate
+
+
+@pytest.mark.parametrize("starting", ["snapshot", "latest"])
+def test_a_change_feed_batch_runs_from_where_it_was_planned(spec: MapSpec, starting: str) -> None:
+    # Spark asks initialOffset() when it plans the first batch and again when it runs it
+    # (and after a restart before that batch committed); "snapshot" and "latest" start at
+    # the tail as of each call. Before: the batch ran from the second answer, so a change
+    # landing in between came twice (in the snapshot, then as a change) or never.
+    m = get_map(spec)
+    first = m.put_all({"a": 1, "b": 2})
+    reader = _ChangeFeedReader(spec, _Layout.of({}), {"starting_position": starting})
+    planned = reader.initialOffset()
+    change = m.put("c", 3).position
+    end = reader.latestOffset(planned, None)
+    m.put("d", 4)  # between the two calls
+    again = reader.initialOffset()
+    assert again["position"] > planned["position"]
+    [partition] = reader.partitions(again, end)
+    rows = [(row[0], row[1], row[2]) for row in reader.read(partition)]
+    expected = [(first, "put", "a"), (first, "put", "b")] if starting == "snapshot" else []
+    assert rows == [*expected, (change, "put", "c")]
+    # The next batch starts at that end: "d" comes once, there.
+    after = reader.latestOffset(end, None)
+    [partition] = reader.partitions(end, after)
+    assert [(row[1], row[2]) for row in reader.read(partition)] == [("put", "d")]
+
+
+def test_a_change_feed_batch_whose_start_is_past_its_end_fails_clearly(spec: MapSpec) -> None:
+    reader = _ChangeFeedReader(spec, _Layout.of({}), {})
+    with pytest.raises(PulsarStateError, match="after its end"):
+        reader.partitions({"position": 9, "snapshot": False}, {"position": 5, "snapshot": False})
