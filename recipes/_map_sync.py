@@ -270,6 +270,10 @@ class SyncPulsarMap(SyncFacade[PulsarMap[K, V]], Generic[K, V]):
 
     # ------------------------------------------------------------------ writes
 
+    def check_entry(self, key: K, value: V) -> None:
+        """As :meth:`PulsarMap.check_entry` (no I/O)."""
+        self._portal.call_sync(lambda: self._map.check_entry(key, value))
+
     def put(self, key: K, value: V, *, timeout: float | None = None) -> MapVersion:
         return self._write(lambda: self._map.put(key, value, timeout=timeout), timeout)
 

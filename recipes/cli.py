@@ -23,6 +23,7 @@ import binascii
 import datetime
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -67,6 +68,7 @@ EXIT_USAGE = 2
 EXIT_FAILED = 3
 EXIT_UNSAFE = 4
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
 
 T = TypeVar("T")
 
@@ -105,6 +107,17 @@ def _parse(text: str, codec: str, what: str) -> Any:
         ) from exc
 
 
+def _key(item: Any, codec: str, what: str) -> Any:
+    """``item`` if a map may hold it as a key: JSON keys are a string or an integer."""
+    if codec == "json" and (isinstance(item, bool) or not isinstance(item, str | int)):
+        raise BadInput(f"{what} {json.dumps(item)[:80]} is not a string or an integer (json keys)")
+    return item
+
+
+def _parse_key(text: str, codec: str) -> Any:
+    return _key(_parse(text, codec, "key"), codec, "key")
+
+
 def _from_json(item: Any, codec: str, what: str) -> Any:
     """A key or value read from a JSON line (``load``): the form ``_to_json`` wrote."""
     if codec == "bytes":
@@ -138,8 +151,18 @@ def _dumps(document: Any) -> str:
     return json.dumps(document, ensure_ascii=False, sort_keys=True)
 
 
+def _not_nan(seconds: float) -> float:
+    if math.isnan(seconds):  # a range lets NaN through (every comparison is false)
+        raise click.BadParameter("must be a number of seconds, not nan")
+    return seconds
+
+
 class BadInput(Exception):
     """Input the command refuses before writing anything (exit 2)."""
+
+
+class PartialLoad(PulsarStateError):
+    """A chunked load failed after some chunks were written (exit 3, the chunks named)."""
 
 
 # ---------------------------------------------------------------- options shared by commands
@@ -223,13 +246,22 @@ class _ReplayBar:
             click.echo(f"replayed {progress.records_read} records", err=True)
 
 
+def _echo(line: str, *, err: bool = False) -> None:
+    try:
+        click.echo(line, err=err)
+    except UnicodeEncodeError:
+        # A lone surrogate in a key or value (JSON can carry one): shown as its escape, which
+        # is also how JSON writes it.
+        click.echo(line.encode("utf-8", "backslashreplace").decode("utf-8"), err=err)
+
+
 def _emit(line: str) -> None:
-    click.echo(line)
+    _echo(line)
 
 
 def _fail(message: str, code: int) -> NoReturn:
     # One line, whatever the message holds (some library errors quote multi-line details).
-    click.echo(f"pulsar-state: {' '.join(message.split())}", err=True)
+    _echo(f"pulsar-state: {' '.join(message.split())}", err=True)
     sys.exit(code)
 
 
@@ -249,9 +281,11 @@ def _guard(work: Callable[[], T], timeout: float) -> T:
         _fail("interrupted", EXIT_INTERRUPTED)
 
 
-def _run(settings: Settings, work: Callable[[], Awaitable[T]]) -> T:
-    """Run a coroutine under :func:`_guard`, bounded by a few steps' time."""
-    return _guard(lambda: asyncio.run(_bounded(work(), settings.timeout * 4)), settings.timeout)
+def _run(settings: Settings, work: Callable[[], Awaitable[T]], *, steps: int = 0) -> T:
+    """Run a coroutine under :func:`_guard`, bounded by a few steps' time (and ``steps``
+    more: the writes of a chunked load)."""
+    bound = settings.timeout * (4 + steps)
+    return _guard(lambda: asyncio.run(_bounded(work(), bound)), settings.timeout)
 
 
 def _checked(settings: Settings, work: Callable[[], T]) -> T:
@@ -316,7 +350,12 @@ async def _with_map(settings: Settings, use: Callable[[PulsarMap[Any, Any]], Awa
     help="An Avro schema file (.avsc): values are Avro records, given and shown as JSON.",
 )
 @click.option(
-    "--timeout", type=float, default=30.0, show_default=True, help="Seconds per broker step."
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True, max=1e9),
+    callback=lambda _ctx, _param, value: _not_nan(value),
+    default=30.0,
+    show_default=True,
+    help="Seconds per broker step.",
 )
 @click.option(
     "-v", "--verbose", count=True, help="Show the library's logs on stderr (-v info, -vv debug)."
@@ -355,7 +394,7 @@ def cli(
     if value_schema is not None:
         try:
             ctx.obj.value_schema = json.load(value_schema)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             _fail(f"--value-schema {value_schema.name}: not JSON ({exc})", EXIT_USAGE)
         ctx.obj.value_codec = "avro"
 
@@ -371,7 +410,7 @@ pass_settings = click.make_pass_decorator(Settings)
 @pass_settings
 def get(settings: Settings, key: str) -> None:
     """Print KEY's value (latest, linearizable). Exit 1 when absent."""
-    wanted = _checked(settings, lambda: _parse(key, settings.key_codec, "key"))
+    wanted = _checked(settings, lambda: _parse_key(key, settings.key_codec))
 
     async def work(state_map: PulsarMap[Any, Any]) -> Any:
         return await state_map.entry(wanted, latest=True)
@@ -399,7 +438,7 @@ def put(settings: Settings, key: str, value: str) -> None:
     new_key, new_value = _checked(
         settings,
         lambda: (
-            _parse(key, settings.key_codec, "key"),
+            _parse_key(key, settings.key_codec),
             _parse(value, settings.value_codec, "value"),
         ),
     )
@@ -419,7 +458,7 @@ def put(settings: Settings, key: str, value: str) -> None:
 @pass_settings
 def delete(settings: Settings, key: str) -> None:
     """Remove KEY. Exit 1 when it was absent (nothing written)."""
-    wanted = _checked(settings, lambda: _parse(key, settings.key_codec, "key"))
+    wanted = _checked(settings, lambda: _parse_key(key, settings.key_codec))
 
     async def work(state_map: PulsarMap[Any, Any]) -> tuple[bool, int]:
         deleted = await state_map.delete(wanted, timeout=settings.timeout)
@@ -489,6 +528,13 @@ def dump(settings: Settings, prefix: str | None) -> None:
 
 
 def _read_entries(settings: Settings, source: Iterator[str]) -> list[tuple[Any, Any]]:
+    try:
+        return _entries_of(settings, source)
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"SOURCE is not UTF-8 text: {exc}") from exc
+
+
+def _entries_of(settings: Settings, source: Iterator[str]) -> list[tuple[Any, Any]]:
     entries: list[tuple[Any, Any]] = []
     for number, line in enumerate(source, 1):
         if not line.strip():
@@ -503,9 +549,10 @@ def _read_entries(settings: Settings, source: Iterator[str]) -> list[tuple[Any, 
             )
         if item["value"] is None:
             raise BadInput(f"line {number}: value null means absent; leave the line out")
+        key = _from_json(item["key"], settings.key_codec, f"line {number}: key")
         entries.append(
             (
-                _from_json(item["key"], settings.key_codec, f"line {number}: key"),
+                _key(key, settings.key_codec, f"line {number}: key"),
                 _from_json(item["value"], settings.value_codec, f"line {number}: value"),
             )
         )
@@ -528,8 +575,10 @@ def _read_entries(settings: Settings, source: Iterator[str]) -> list[tuple[Any, 
 def load(settings: Settings, source: Any, chunk: int | None, replace: bool) -> None:
     """Put the entries of SOURCE (JSON lines as ``dump`` writes; default stdin).
 
-    Every line is checked before anything is written. Without --chunk all entries go in one
-    atomic write; with it, each chunk is atomic and a failure names the chunks applied.
+    Every line, key and value is checked (by the map's codecs too) before anything is
+    written. Without --chunk all entries go in one atomic write; with it, each chunk is
+    atomic, a failure names the entries loaded (exit 3), and --replace deletes the other keys
+    after the last chunk.
     """
 
     entries = _checked(settings, lambda: _read_entries(settings, iter(source)))
@@ -538,6 +587,8 @@ def load(settings: Settings, source: Any, chunk: int | None, replace: bool) -> N
         _fail("SOURCE names a key twice: refusing an ambiguous load", EXIT_USAGE)
 
     async def work(state_map: PulsarMap[Any, Any]) -> int:
+        for key, value in entries:  # CodecError (exit 2) before any write
+            state_map.check_entry(key, value)
         if chunk is None:
             if replace:
                 wanted = dict(entries)
@@ -550,25 +601,27 @@ def load(settings: Settings, source: Any, chunk: int | None, replace: bool) -> N
             elif entries:
                 await state_map.put_all(entries, timeout=settings.timeout)
             return state_map.position
-        if replace:
-            for key in await state_map.list_keys(latest=True):
-                if key not in keys:
-                    await state_map.delete(key, timeout=settings.timeout)
         done = 0
         for begin in range(0, len(entries), chunk):
             part = entries[begin : begin + chunk]
             try:
                 await state_map.put_all(part, timeout=settings.timeout)
             except PulsarStateError as exc:
-                raise type(exc)(
-                    f"{exc} (chunk {begin // chunk + 1} failed; entries 1-{done} were loaded, "
-                    f"entries {done + 1}-{len(entries)} were not)"
+                raise PartialLoad(
+                    f"{type(exc).__name__}: {exc} (chunk {begin // chunk + 1} failed; entries "
+                    f"1-{done} were loaded, entries {done + 1}-{len(entries)} were not"
+                    f"{'; no key was deleted' if replace else ''})"
                 ) from exc
             done += len(part)
             click.echo(f"loaded {done}/{len(entries)} entries", err=True)
+        if replace:  # after the puts: a failed load never leaves the map emptied
+            await state_map.update_multiple(
+                lambda key: key not in keys, lambda _key, _value: None, timeout=settings.timeout
+            )
         return state_map.position
 
-    position = _run(settings, lambda: _with_map(settings, work))
+    chunks = 0 if chunk is None else -(-len(entries) // chunk)
+    position = _run(settings, lambda: _with_map(settings, work), steps=chunks)
     if settings.json:
         _emit(_dumps({"loaded": len(entries), "position": position}))
     else:
@@ -599,7 +652,7 @@ def watch(
     """
 
     async def work() -> None:
-        key = None if one_key is None else _parse(one_key, settings.key_codec, "key")
+        key = None if one_key is None else _parse_key(one_key, settings.key_codec)
         state_map = settings.open_map()
         try:
             if from_position is not None:
@@ -988,6 +1041,11 @@ def main() -> NoReturn:
         else:
             click.echo(exc.code, err=True)
             code = EXIT_FAILED
+    except BrokenPipeError:  # the reader went away (| head): as a shell reports SIGPIPE
+        code = EXIT_BROKEN_PIPE
+    except Exception as exc:  # a bug of ours: still one line and an exit code, no traceback
+        _echo(f"pulsar-state: internal error: {type(exc).__name__}: {exc}", err=True)
+        code = EXIT_FAILED
     # Everything is closed by now. The Pulsar C++ client can still abort (SIGABRT,
     # "terminate called without an active exception") while the interpreter tears its threads
     # down, about once in 30 runs here: that would replace the exit code scripts test. So

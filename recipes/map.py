@@ -635,6 +635,11 @@ class PulsarMap(Generic[K, V]):
 
         return (await self._write(lambda _state: [op], new_version, timeout)).value
 
+    def check_entry(self, key: K, value: V) -> None:
+        """Raise what :meth:`put` would raise for this key and value (CodecError: a key or
+        value the codecs refuse), writing nothing: check a whole load before any write."""
+        self._codecs.put(key, value)
+
     async def put_all(
         self, entries: Mapping[K, V] | Iterable[tuple[K, V]], *, timeout: float | None = None
     ) -> int:

@@ -417,3 +417,65 @@ def test_a_replay_shows_progress_on_a_terminal_only(
     assert done.returncode == 0
     assert len(done.stdout.splitlines()) == 30
     assert "replayed 30 records" in shown.decode(errors="replace")
+
+
+def test_every_kind_of_bad_input_is_one_line_exit_2_and_writes_nothing(
+    broker: Broker, topic: str, tmp_path: Path
+) -> None:
+    # Before: each of these was a traceback with exit 1 ("absent"), or (a value the codec
+    # refuses in a later chunk) exit 2 after the first chunks were written.
+    ok(pulsar_state(broker, topic, "put", "seed", "1"))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"key": "caf\u00e9", "value": 1}\n'.encode("latin-1"))
+    one_error_line(pulsar_state(broker, topic, "load", str(latin)), 2, "not UTF-8")
+    schema = tmp_path / "schema.avsc"
+    schema.write_bytes(b'{"type": "string", "doc": "\xe9"}')
+    one_error_line(
+        pulsar_state(broker, topic, "--value-schema", str(schema), "get", "k"), 2, "not JSON"
+    )
+    json_keys = ["--key-codec", "json"]
+    one_error_line(
+        pulsar_state(broker, topic, *json_keys, "load", stdin='{"key": [1], "value": 1}\n'),
+        2,
+        "not a string or an integer",
+    )
+    one_error_line(pulsar_state(broker, topic, *json_keys, "get", "[1]"), 2, "not a string")
+    one_error_line(pulsar_state(broker, topic, *json_keys, "put", "true", "1"), 2, "not a string")
+    late = '{"key": "a", "value": 1}\n{"key": "b", "value": NaN}\n'
+    one_error_line(pulsar_state(broker, topic, "load", "--chunk", "1", stdin=late), 2, "CodecError")
+    for seconds in ("0", "-1", "nan"):
+        result = pulsar_state(broker, topic, "--timeout", seconds, "get", "seed")
+        assert result.returncode == 2, (seconds, result.stderr)
+        assert "Traceback" not in result.stderr
+    assert len(log_records(broker, topic)) == 1
+
+
+def test_a_chunked_load_that_fails_names_what_it_loaded_and_deletes_nothing(
+    broker: Broker, topic: str
+) -> None:
+    ok(pulsar_state(broker, topic, "put", "stale", "0"))
+    lines = "".join(
+        json.dumps({"key": key, "value": value}) + "\n"
+        for key, value in [("a", 1), ("b", 2), ("huge", "v" * (2 * 1024 * 1024))]
+    )
+    # Before: a traceback (the error was re-raised as its own type without the fields its
+    # constructor needs), and --replace had deleted "stale" before the first chunk.
+    result = pulsar_state(broker, topic, "load", "--chunk", "2", "--replace", stdin=lines)
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr
+    *progress, line = result.stderr.splitlines()
+    assert progress == ["loaded 2/3 entries"]
+    for words in ["RecordTooLargeError", "chunk 2 failed", "entries 1-2 were loaded"]:
+        assert words in line, line
+    assert "no key was deleted" in line
+    listed = json.loads(ok(pulsar_state(broker, topic, "-o", "json", "ls")))
+    assert sorted(listed) == ["a", "b", "stale"]
+
+
+def test_a_lone_surrogate_is_shown_as_its_escape(broker: Broker, topic: str) -> None:
+    # JSON can carry one (another program may write it): before, printing it raised
+    # UnicodeEncodeError (a traceback, and a dump that stopped half-way).
+    ok(pulsar_state(broker, topic, "put", "k", '"a\\ud800"'))
+    assert ok(pulsar_state(broker, topic, "get", "k")) == "a\\ud800\n"
+    dumped = ok(pulsar_state(broker, topic, "dump"))
+    assert json.loads(dumped)["value"] == "a\ud800"
