@@ -91,14 +91,26 @@ class SharedConfig(Generic[C]):
         )
         return self._build(values)
 
-    def update(self, *, timeout: float | None = None, **changes: Any) -> C:
-        """Change some fields in ONE atomic write, validated on the up-to-date config.
+    def update(
+        self,
+        changes: Mapping[str, Any] | None = None,
+        /,
+        *,
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> C:
+        """Change some fields in ONE atomic write, validated on the up-to-date config:
+        ``update(batch_size=500)``, or ``update({"timeout": 60})`` (a mapping names any field,
+        one called ``timeout`` too; the keyword ``timeout`` is the call's own).
 
         Unknown field names and values of the wrong type raise :class:`ConfigurationError`
         before anything is written; so does the dataclass's own validation (its exception
         is raised as is). Returns the config as this process sees it right after the write
         (so it includes the change).
         """
+        return self._update({**(changes or {}), **fields}, timeout)
+
+    def _update(self, changes: dict[str, Any], timeout: float | None) -> C:
         unknown = sorted(set(changes) - set(self._fields))
         if unknown:
             raise ConfigurationError(
@@ -122,7 +134,7 @@ class SharedConfig(Generic[C]):
         if not isinstance(config, self.config_type):
             raise ConfigurationError(f"expected a {self.config_type.__name__}")
         values = {name: getattr(config, name) for name in self._fields}
-        return self.update(timeout=timeout, **values)
+        return self._update(values, timeout)
 
     def foreach_batch(
         self, fn: Callable[[DataFrame, int, C], object]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -157,3 +158,19 @@ def test_two_running_queries_and_another_process_share_config(
     finally:
         for query in queries:
             query.stop()
+
+
+@dataclasses.dataclass(frozen=True)
+class WithTimeout:
+    timeout: float = 30.0
+    retries: int = 3
+
+
+def test_a_field_named_timeout_is_written_and_updated(spec: MapSpec) -> None:
+    # Before: write() raised TypeError (timeout given twice) and update(timeout=60) was
+    # taken as the call's timeout, changing nothing.
+    config = SharedConfig(spec, WithTimeout)
+    assert config.write(WithTimeout(5.0, 1)) == WithTimeout(5.0, 1)
+    assert config.update({"timeout": 60.0}, retries=2) == WithTimeout(60.0, 2)
+    assert config.update(retries=4, timeout=30.0) == WithTimeout(60.0, 4)  # the call's timeout
+    assert config.read(latest=True) == WithTimeout(60.0, 4)
