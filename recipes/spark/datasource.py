@@ -35,7 +35,11 @@ Options (all strings, as Spark passes them):
   since position 0; ``latest``: changes after the tail; or a position).
 * Streaming writes: ``sink_id`` (required; the query's progress in the map, keep it with the
   checkpoint), ``mode`` (``replace`` or ``add``), ``key_column`` (``key``), ``value_column``
-  (``value``) or ``value_columns`` (comma separated: a dict of those columns).
+  (``value``) or ``value_columns`` (comma separated: a dict of those columns). Output modes:
+  ``append`` and ``update`` with either; ``complete`` only with ``replace`` (``add`` would
+  count earlier batches again: refused), and a key that leaves the result stays in the map.
+  The sink is not bound to a query (Spark does not tell a data source which): a new
+  checkpoint with an old ``sink_id`` has its batches up to the stored one skipped.
 
 Guarantees: a batch read is one state of the map, at one position. The change feed's offsets
 are positions and a micro-batch ``(a, b]`` always yields the same rows, so Spark's checkpoint
@@ -370,7 +374,16 @@ class PulsarStateDataSource(DataSource):  # type: ignore[misc,unused-ignore]
         return _ChangeFeedReader(_spec_from(options), _Layout.of(options), options)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
-        return _StreamWriter(_spec_from(dict(self.options)), dict(self.options), schema)
+        options = dict(self.options)
+        if overwrite and options.get("mode", "replace") == "add":
+            # outputMode("complete") sends the whole result table each batch: adding it to
+            # the map's values would count every earlier batch again.
+            raise ConfigurationError(
+                "mode=add adds each batch's rows to the map's values, but outputMode "
+                '"complete" sends every row of the result each batch: use mode=replace (or '
+                'outputMode "update" with add)'
+            )
+        return _StreamWriter(_spec_from(options), options, schema)
 
 
 # ------------------------------------------------------------------------ batch reads

@@ -14,11 +14,18 @@ import pytest
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
-from pyspark.sql.types import LongType, StructField, StructType
+from pyspark.sql.types import LongType, StringType, StructField, StructType
 
-from pulsar_state import PulsarStateError
+from pulsar_state import ConfigurationError, PulsarStateError
 from recipes.spark import MapSpec, PulsarMapSink, get_map
-from recipes.spark.datasource import FORMAT, _ChangeFeedReader, _Layout, register, spark_options
+from recipes.spark.datasource import (
+    FORMAT,
+    PulsarStateDataSource,
+    _ChangeFeedReader,
+    _Layout,
+    register,
+    spark_options,
+)
 from tests.spark.conftest import SPARK_MARKS, WAIT_S
 
 pytestmark = SPARK_MARKS
@@ -407,3 +414,15 @@ def test_a_change_feed_batch_whose_start_is_past_its_end_fails_clearly(spec: Map
     reader = _ChangeFeedReader(spec, _Layout.of({}), {})
     with pytest.raises(PulsarStateError, match="after its end"):
         reader.partitions({"position": 9, "snapshot": False}, {"position": 5, "snapshot": False})
+
+
+def test_complete_output_mode_with_add_is_refused(spec: MapSpec) -> None:
+    # outputMode("complete") (overwrite) sends the whole result each batch: before, add
+    # counted every earlier batch again.
+    options = {**spark_options(spec), "sink_id": "s", "mode": "add"}
+    schema = StructType([StructField("key", StringType()), StructField("value", LongType())])
+    with pytest.raises(ConfigurationError, match="complete"):
+        PulsarStateDataSource(options).streamWriter(schema, overwrite=True)
+    PulsarStateDataSource(options).streamWriter(schema, overwrite=False)  # update, append
+    replace = {**options, "mode": "replace"}
+    PulsarStateDataSource(replace).streamWriter(schema, overwrite=True)
