@@ -943,12 +943,19 @@ class SnapshotPolicy(Generic[S]):
         first chunk. Returns the state topic's new trim point, if any."""
         if self._trim_log is None:
             return None
-        manifests = sorted(await self._store.manifests(), key=lambda m: m.position)
+        manifests = sorted(
+            (m for m in await self._store.manifests() if self._of_this_history(m)),
+            key=lambda m: m.position,
+        )
         if len(manifests) < self._keep_snapshots:
             return None
-        oldest = manifests[-self._keep_snapshots]
-        covered = LogPosition(oldest.log_ledger, oldest.log_entry)
-        first_chunk = LogPosition(oldest.first_chunk_ledger, oldest.first_chunk_entry)
+        kept = manifests[-self._keep_snapshots :]
+        oldest = kept[0]
+        # Each kept snapshot needs its chunks and the message it covers. Two processes may
+        # write snapshots out of position order (one encodes slowly): the newest by position
+        # may have the earlier chunks, so the trim points are the earliest over all kept.
+        covered = min(LogPosition(m.log_ledger, m.log_entry) for m in kept)
+        first_chunk = min(LogPosition(m.first_chunk_ledger, m.first_chunk_entry) for m in kept)
         if first_chunk.entry >= 1:
             await self._store.trim_chunks_through(first_chunk._replace(entry=first_chunk.entry - 1))
         if covered.entry < 1:
@@ -960,6 +967,12 @@ class SnapshotPolicy(Generic[S]):
             "trimmed %s through %s (snapshot at position %d)", self._topic, through, oldest.position
         )
         return through
+
+    def _of_this_history(self, manifest: SnapshotManifest) -> bool:
+        """Whether ``manifest`` may describe this replica's history: a topic deleted and
+        created again keeps the old index, whose manifests name another origin."""
+        origin = self._replica.origin
+        return manifest.log_origin is None or origin is None or manifest.log_origin == origin
 
     def after_batch(self) -> None:
         """Start an automatic snapshot in the background if one is due."""
@@ -985,7 +998,11 @@ class SnapshotPolicy(Generic[S]):
         succeeded = False
         try:
             newest = await self._store.latest()
-            if newest is not None and newest.position > self._last_version:
+            if (
+                newest is not None
+                and newest.position > self._last_version
+                and self._of_this_history(newest)
+            ):
                 # Another writer took one since ours: count from there instead.
                 self._last_version = newest.position
                 if not self._due(running_ok=True):

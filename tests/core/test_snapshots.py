@@ -463,3 +463,27 @@ async def test_a_slow_snapshot_index_read_is_an_operation_timeout(
         store._timeout_s = 1e-6
         with pytest.raises(OperationTimeoutError, match="snapshot index"):
             await store.manifests()
+
+
+async def test_automatic_snapshots_of_a_recreated_topic_ignore_the_old_ones(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The old topic's newest manifest (position 20) stays in the index. Before: the new
+    # history's automatic snapshots counted from 20, so none was taken until position 22.
+    async with counter_manager(
+        service_url, topic, admin_url, max_writes_per_record=1, **json_state
+    ) as old:
+        await write_increments(old, 20, "old")
+        await old.snapshot()
+    delete_topic(admin_url, topic)
+    async with counter_manager(
+        service_url, topic, admin_url, snapshot_every_records=2, **json_state
+    ) as new:
+        for i in range(6):
+            await new.write(lambda s, i=i: [incr(f"new{i}")])
+            await asyncio.sleep(0.2)  # an automatic snapshot may finish before the next
+        for _ in range(100):
+            if new.stats.snapshots_written:
+                break
+            await asyncio.sleep(0.05)
+        assert new.stats.snapshots_written >= 1

@@ -29,15 +29,12 @@ from tests.support.trimming import (
 
 
 def trimming_manager(service_url: str, topic: str, admin_url: str, **options: Any) -> Any:
-    return counter_manager(
-        service_url,
-        topic,
-        admin_url,
-        snapshot_codec=JsonCodec(),
-        trim_history=True,
-        keep_snapshots=1,
-        **options,
-    )
+    defaults: dict[str, Any] = {
+        "snapshot_codec": JsonCodec(),
+        "trim_history": True,
+        "keep_snapshots": 1,
+    }
+    return counter_manager(service_url, topic, admin_url, **{**defaults, **options})
 
 
 async def write_and_snapshot(manager: Any, writes: int) -> None:
@@ -258,3 +255,50 @@ async def test_a_trim_point_the_broker_lost_is_sent_again(
                 break
             await asyncio.sleep(0.05)
         assert mark_delete(admin_url, topic) >= moved
+
+
+async def test_snapshots_written_out_of_position_order_keep_their_chunks(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Process 1 captures its state at position 5 and encodes slowly; process 2, at 7, writes
+    # its snapshot first. Kept (2): positions 5 and 7, and the one at 7 has the EARLIER
+    # chunks. Before: the chunk trim point was taken from the one at 5 (the oldest by
+    # position), past the chunks of the newest snapshot, which no replica could then load.
+    trims: list[LogPosition] = []
+    trim_chunks = SnapshotStore.trim_chunks_through
+
+    async def spy(self: SnapshotStore, position: LogPosition) -> None:
+        trims.append(position)
+        await trim_chunks(self, position)
+
+    monkeypatch.setattr(SnapshotStore, "trim_chunks_through", spy)
+    slow = asyncio.Event()
+
+    class SlowCodec(JsonCodec):
+        def encode(self, value: Any, /) -> bytes:
+            if slow.is_set():
+                time.sleep(3.0)  # in the encoding thread
+            return super().encode(value)
+
+    async with (
+        trimming_manager(
+            service_url, topic, admin_url, keep_snapshots=2, snapshot_codec=SlowCodec()
+        ) as first,
+        trimming_manager(service_url, topic, admin_url, keep_snapshots=2) as second,
+    ):
+        await write_and_snapshot(first, 3)
+        for _ in range(2):
+            await first.write(lambda s: [incr()])
+        slow.set()
+        slow_snapshot = asyncio.ensure_future(first.snapshot())
+        await asyncio.sleep(0.5)  # captured at 5, encoding
+        for _ in range(2):
+            await second.write(lambda s: [incr()])
+        newest = await second.snapshot()
+        slow.clear()
+        older = await slow_snapshot
+        assert (older.position, newest.position) == (5, 7)
+        newest_first_chunk = LogPosition(newest.first_chunk_ledger, newest.first_chunk_entry)
+        assert LogPosition(older.first_chunk_ledger, older.first_chunk_entry) > newest_first_chunk
+        assert trims
+        assert all(point < newest_first_chunk for point in trims), (trims, newest_first_chunk)
