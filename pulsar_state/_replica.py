@@ -112,10 +112,12 @@ class Replica(Generic[S, Op]):
         # Where the last record accepted is (or the mark loaded): resuming just after it
         # re-reads the records ignored since, which _stale is made of.
         self.applied_at: LogPosition | None = None
-        # The ids of the records ignored as stale since the last record accepted: a record
-        # built on one of them (a writer's pipelined chain whose first record was ignored)
-        # is stale too, not a fork. Every replica that reads from applied_at on agrees.
-        self._stale: dict[str, None] = {}
+        # The records ignored as stale since the last record accepted, each with the
+        # position it claimed (its base's + 1): a record built on one of them at that
+        # position (a writer's pipelined chain whose first record was ignored) is stale too,
+        # not a fork. Every replica that reads from applied_at on agrees. (A duplicate of an
+        # accepted record is ignored too: a record built on it is accepted first.)
+        self._stale: dict[str, int] = {}
         self.halt: PulsarStateError | None = None
         self.listeners: list[Callable[[AppliedRecord[Op]], None]] = []
         # Internal hooks, called before listeners: (version, state) after each record.
@@ -426,7 +428,7 @@ class Replica(Generic[S, Op]):
                 return
         if record.writer_id != self._writer_id:
             self.foreign_at = time.monotonic()
-        if record.base_position < self.version or record.base_record_id in self._stale:
+        if record.base_position < self.version:
             self._reject(record)
         elif record.base_position == self.version and record.base_record_id == self.last_record_id:
             if (
@@ -452,6 +454,8 @@ class Replica(Generic[S, Op]):
             self._apply(record, decoded, at, adoption)
             if self.halt is not None:
                 return
+        elif self._stale.get(record.base_record_id) == record.base_position:
+            self._reject(record)  # built on a stale record, where that one claimed to be
         elif self.fall_forward is not None:
             # Ahead of this replica: the records between were trimmed away while it was
             # behind (or its history forked). A snapshot at or after the base decides which.
@@ -560,7 +564,7 @@ class Replica(Generic[S, Op]):
     def _reject(self, record: Record) -> None:
         self._stats.records_rejected += 1
         stale = self._stale
-        stale[record.record_id] = None
+        stale[record.record_id] = record.base_position + 1
         if len(stale) > _MAX_STALE:  # a flood of stale records: forget the oldest
             del stale[next(iter(stale))]
         logger.debug(

@@ -216,6 +216,21 @@ async def test_a_chain_built_on_a_stale_record_is_ignored_also_after_a_snapshot(
         assert resumed.stats.records_rejected == 2  # B/1 read again, then B/2
 
 
+async def test_a_record_sent_twice_stops_no_later_write(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A producer that reconnects resends what it had in flight (no deduplication on the
+    # topic): the copy is ignored as stale, and the records built on the original go on.
+    first = Record("Z", 1, 0, "", [Write(1, [b'{"op":"incr","id":"z"}'])])
+    await send_raw(service_url, topic, first)
+    await send_raw(service_url, topic, first)
+    async with counter_manager(service_url, topic, admin_url) as m:
+        for i in range(3):
+            await m.write(lambda s, i=i: [incr(f"w{i}")], timeout=20)
+        assert await seen_by(m) == {"z": 1, "w0": 1, "w1": 1, "w2": 1}
+        assert m.stats.records_rejected == 1
+
+
 # ---------------------------------------------------------------- (h) smaller defects
 
 

@@ -118,3 +118,34 @@ def test_a_record_on_a_record_never_in_the_log_still_halts_as_forked(forked: Rec
     target, _owner = replica()
     feed(target, [*LOG[:3], forked])
     assert isinstance(target.halt, ForkedHistoryError)
+
+
+def test_duplicates_of_accepted_records_never_stop_later_records() -> None:
+    # A producer that reconnects resends what it had in flight: accepted records come
+    # again. Those are ignored, and the records built on the originals are accepted.
+    target, owner = replica()
+    a1, a2 = record("A", 1, 0, "", "a"), record("A", 2, 1, "A/1", "b")
+    feed(
+        target,
+        [
+            a1,
+            a2,
+            a1,
+            a2,
+            *(
+                record("C", i, i + 1, f"C/{i - 1}" if i > 1 else "A/2", f"c{i}")
+                for i in range(1, 4)
+            ),
+        ],
+    )
+    assert target.halt is None
+    assert owner.rejected == ["A/1", "A/2"]
+    assert (target.version, target.last_record_id) == (5, "C/3")
+
+
+def test_a_record_on_an_ignored_record_at_another_position_still_halts_as_forked() -> None:
+    # B/1 claimed position 2 (it was ignored there): a record built on it as if it were at
+    # position 3 is not its writer's pipelined chain, and no replica saw that history.
+    target, _owner = replica()
+    feed(target, [*LOG[:3], record("B", 2, 3, "B/1", "b2")])
+    assert isinstance(target.halt, ForkedHistoryError)
