@@ -73,6 +73,10 @@ class Batch(Generic[W]):
     records: list[OutgoingRecord[W]] = field(default_factory=list)
     # Writes that will not be sent, each with the error its caller gets.
     refused: list[tuple[W, BaseException]] = field(default_factory=list)
+    # Writes that failed on a state holding earlier writes of this batch (their generator
+    # raised, an op failed, too large): not sent, and decided again once those writes have
+    # their outcome, since a refusal must rest on a state the log holds.
+    deferred: list[W] = field(default_factory=list)
     # Set when the trial run changed the live state: nothing is sent, the replica must halt.
     halt: tuple[W, ConfigurationError] | None = None
     # Writes with no ops decided on the base state itself (before any write of the batch):
@@ -107,6 +111,13 @@ class RecordBuilder(Generic[S, Op]):
             record_overhead(writer_id, f"{writer_id}/{self._next_seq + len(batch)}"),
         )
         result: Batch[W] = Batch()
+
+        def refuse(request: W, error: BaseException) -> None:
+            if applied:  # decided on this batch's earlier writes, which may not land
+                result.deferred.append(request)
+            else:
+                result.refused.append((request, error))
+
         trial = machine.trial_copy(state)
         # What was applied to the trial state, to rebuild it when a write fails half-way.
         applied: list[tuple[int, list[Any]]] = []
@@ -141,7 +152,7 @@ class RecordBuilder(Generic[S, Op]):
             try:
                 ops = list(request.generator(trial))
             except Exception as exc:  # the caller's generator: its exception, unchanged
-                result.refused.append((request, exc))
+                refuse(request, exc)
                 continue
             if not ops and not (group or applied):
                 # A conditional write that changes nothing appends nothing: decided on the
@@ -153,7 +164,7 @@ class RecordBuilder(Generic[S, Op]):
             try:
                 encoded = machine.encode(ops)
             except CodecError as exc:
-                result.refused.append((request, exc))
+                refuse(request, exc)
                 continue
             size = write_size(encoded)
             if size + largest_overhead > max_bytes:
@@ -164,7 +175,7 @@ class RecordBuilder(Generic[S, Op]):
                     size=size,
                     limit=max_bytes,
                 )
-                result.refused.append((request, error))
+                refuse(request, error)
                 continue
             make_room(size)
             record_version = base_version + 1  # the version of the record this write joins
@@ -174,13 +185,17 @@ class RecordBuilder(Generic[S, Op]):
                 )
             except MutatedInPlaceError as exc:
                 # The live state now holds an unacknowledged write: send nothing.
-                return Batch(refused=result.refused, halt=(request, ConfigurationError(str(exc))))
+                return Batch(
+                    refused=result.refused,
+                    deferred=result.deferred,
+                    halt=(request, ConfigurationError(str(exc))),
+                )
             except Exception as exc:
                 failure: BaseException = exc
                 if not isinstance(exc, ApplyError):  # begin_record raised
                     failure = ApplyError(f"begin_record raised: {type(exc).__name__}: {exc}")
                     failure.__cause__ = exc
-                result.refused.append((request, failure))
+                refuse(request, failure)
                 # The trial state may hold part of this write: rebuild it from the real one.
                 trial = machine.trial_copy(state)
                 begun = -1

@@ -901,6 +901,9 @@ class Writer:
         )
         for refused, error in built.refused:
             refused.future.set_exception(self._unless_lingering(refused, error))
+        if built.deferred:
+            # Decided again in a later batch, on the state holding this batch's outcome.
+            pending.requeue(built.deferred, retry_count=False)
         if built.halt is not None:
             # The trial run just mutated the live state with an unacknowledged write: this
             # replica can no longer be trusted, so it stops rather than show that write.

@@ -59,6 +59,31 @@ async def test_generator_that_raises_fails_that_write_and_appends_nothing(
     assert await topic_message_count(service_url, topic) == 2
 
 
+async def test_a_generator_failing_on_an_earlier_write_of_its_batch_is_decided_again(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The second write fails because of the first, in the same batch. The first may not
+    # land (its record ignored as stale, say): the failure is decided again on the state the
+    # log holds, once the first has its outcome. Before: it failed at once, on the trial.
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        await manager.write(lambda s: [incr("seed")])
+        decided_on: list[dict[str, int]] = []
+
+        def unless_a(state: Any) -> list[Any]:
+            decided_on.append(dict(state["seen"]))
+            if "a" in state["seen"]:
+                raise KeyError("a is there")
+            return [incr("b")]
+
+        outcomes = await asyncio.gather(
+            manager.write(lambda s: [incr("a")]), manager.write(unless_a), return_exceptions=True
+        )
+        assert not isinstance(outcomes[0], BaseException)
+        assert isinstance(outcomes[1], KeyError)
+        assert decided_on == [{"seed": 1, "a": 1}] * 2  # the trial, then the log's state
+        assert await manager.read(lambda s: s["seen"], latest=True) == {"seed": 1, "a": 1}
+
+
 async def test_op_whose_apply_raises_is_refused_before_sending(
     service_url: str, admin_url: str, topic: str
 ) -> None:

@@ -157,9 +157,24 @@ def test_a_raising_generator_refuses_only_its_write() -> None:
     def bad(_state: State) -> list[Op]:
         raise error
 
-    reqs = requests(ops("a"), bad, ops("c"))
+    reqs = requests(bad, ops("a"), ops("c"))
     batch = builder().build(reqs, new_state(), 0, "")
-    assert batch.refused == [(reqs[1], error)]  # the generator's own exception, unchanged
+    assert batch.refused == [(reqs[0], error)]  # the generator's own exception, unchanged
+    assert batch.deferred == []
+    assert sent_ops(batch) == [[["a"], ["c"]]]
+
+
+def test_a_write_failing_on_the_batch_s_earlier_writes_is_decided_again_later() -> None:
+    # Its failure rests on "a", which may not land (its record ignored as stale, say): it
+    # is deferred to a later batch, decided on the state holding the outcome. Before: it
+    # failed at once, on a state the log might never hold.
+    def bad(_state: State) -> list[Op]:
+        raise KeyError("mine")
+
+    reqs = requests(ops("a"), bad, lambda _s: [{"tag": "half"}, {"boom": True}], ops("c"))
+    batch = builder().build(reqs, new_state(), 0, "")
+    assert batch.refused == []
+    assert batch.deferred == [reqs[1], reqs[2]]
     assert sent_ops(batch) == [[["a"], ["c"]]]
 
 
@@ -190,17 +205,23 @@ def test_a_failing_op_refuses_its_write_and_rolls_back_its_earlier_ops(copy_stat
         seen.append(list(state["log"]))
         return [{"tag": "after"}]
 
-    reqs = requests(ops("a"), lambda _s: [{"tag": "half"}, {"boom": True}], look)
+    failing = lambda _s: [{"tag": "half"}, {"boom": True}]  # noqa: E731
+    reqs = requests(ops("a"), failing, look)
     live = new_state()
     batch = builder(copy_state=copy_state).build(reqs, live, 0, "")
     assert live == new_state()
+    assert batch.deferred == [reqs[1]]  # decided on "a": again later
+    assert seen == [["a"]]  # "half" was applied to the trial state, then rebuilt away
+    assert sent_ops(batch) == [[["a"], ["after"]]]
+    # First in its batch, on the state the log holds: refused.
+    reqs = requests(failing, look)
+    batch = builder(copy_state=copy_state).build(reqs, live, 0, "")
     ((request, error),) = batch.refused
-    assert request is reqs[1]
+    assert request is reqs[0]
     assert isinstance(error, ApplyError)
     assert "boom" in str(error)
     assert isinstance(error.__cause__, RuntimeError)
-    assert seen == [["a"]]  # "half" was applied to the trial state, then rebuilt away
-    assert sent_ops(batch) == [[["a"], ["after"]]]
+    assert sent_ops(batch) == [[["after"]]]
 
 
 def test_a_raising_begin_record_is_an_apply_error() -> None:
@@ -314,7 +335,7 @@ def test_records_never_pass_either_limit(seed: int) -> None:
         assert len(outgoing.payload) <= limits.max_record_bytes
         assert decode_record(outgoing.payload, message_id="t") == outgoing.record
     built = sum(len(o.writes) for o in batch.records)
-    assert built + len(batch.refused) + len(batch.unchanged) == 40
+    assert built + len(batch.refused) + len(batch.deferred) + len(batch.unchanged) == 40
 
 
 def test_a_write_with_no_ops_decided_after_a_write_of_the_batch_is_never_unchanged() -> None:
@@ -330,7 +351,7 @@ def test_a_write_with_no_ops_decided_after_a_write_of_the_batch_is_never_unchang
     reqs = requests(ops("a"), lambda _s: [{"tag": "b", "boom": True}], decide)
     batch = builder(Limits(max_writes_per_record=1)).build(reqs, new_state(), 0, "")
     assert seen == [1]  # decided on the state with "a"
-    assert [r for r, _e in batch.refused] == [reqs[1]]
+    assert batch.deferred == [reqs[1]]
     assert batch.unchanged == []
     assert [[w.write_seq for w in o.writes] for o in batch.records] == [[1], [3]]
     assert batch.records[1].record.base_record_id == batch.records[0].record.record_id
