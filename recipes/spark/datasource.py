@@ -486,8 +486,8 @@ class _ChangeFeedReader(DataSourceStreamReader):  # type: ignore[misc,unused-ign
 
     def latestOffset(self, start: dict[str, Any], limit: Any) -> dict[str, Any]:
         tail = get_map(self.spec).sync()
-        if tail <= start["position"] and not start.get("snapshot"):
-            return start  # nothing new
+        if tail <= start["position"] and not start.get("snapshot") and "from" in start:
+            return start  # nothing new (after the first batch: Spark plans that one anyway)
         # A pending snapshot makes a batch of its own even with no change after it. The end
         # offset names the start it was planned from ("from"): Spark asks initialOffset()
         # again to run the first batch (and after a restart before that batch committed),

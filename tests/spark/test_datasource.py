@@ -426,3 +426,24 @@ def test_complete_output_mode_with_add_is_refused(spec: MapSpec) -> None:
     PulsarStateDataSource(options).streamWriter(schema, overwrite=False)  # update, append
     replace = {**options, "mode": "replace"}
     PulsarStateDataSource(replace).streamWriter(schema, overwrite=True)
+
+
+def test_a_latest_change_feed_with_nothing_new_runs_its_first_batch_from_where_planned(
+    spec: MapSpec,
+) -> None:
+    # Spark plans the first batch even when nothing is new, then asks initialOffset() again
+    # to run it. Before: the end it planned named no start, so a write in between made the
+    # batch start past its end, and it failed on every restart.
+    m = get_map(spec)
+    m.put("a", 1)
+    reader = _ChangeFeedReader(spec, _Layout.of({}), {"starting_position": "latest"})
+    planned = reader.initialOffset()
+    end = reader.latestOffset(planned, None)
+    assert end.get("from") == planned
+    m.put("b", 2)
+    [partition] = reader.partitions(reader.initialOffset(), end)
+    assert list(reader.read(partition)) == []
+    after = reader.latestOffset(end, None)
+    [partition] = reader.partitions(end, after)
+    assert [(row[1], row[2]) for row in reader.read(partition)] == [("put", "b")]
+    assert reader.latestOffset(after, None) == after  # nothing new: no batch
