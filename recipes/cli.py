@@ -26,7 +26,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -161,6 +161,11 @@ class BadInput(Exception):
     """Input the command refuses before writing anything (exit 2)."""
 
 
+def _deleting(keys: list[Any]) -> Callable[[Mapping[Any, Any]], dict[Any, None]]:
+    """A transact function deleting those of ``keys`` still bound."""
+    return lambda view: {key: None for key in keys if key in view}
+
+
 class PartialLoad(PulsarStateError):
     """A chunked load failed after some chunks were written (exit 3, the chunks named)."""
 
@@ -250,9 +255,10 @@ def _echo(line: str, *, err: bool = False) -> None:
     try:
         click.echo(line, err=err)
     except UnicodeEncodeError:
-        # A lone surrogate in a key or value (JSON can carry one): shown as its escape, which
-        # is also how JSON writes it.
-        click.echo(line.encode("utf-8", "backslashreplace").decode("utf-8"), err=err)
+        # A lone surrogate in a key or value (JSON can carry one), or a character the
+        # terminal's encoding lacks: shown as its escape (a surrogate's is JSON's own).
+        encoding = getattr(sys.stderr if err else sys.stdout, "encoding", None) or "utf-8"
+        click.echo(line.encode(encoding, "backslashreplace").decode(encoding), err=err)
 
 
 def _emit(line: str) -> None:
@@ -281,10 +287,10 @@ def _guard(work: Callable[[], T], timeout: float) -> T:
         _fail("interrupted", EXIT_INTERRUPTED)
 
 
-def _run(settings: Settings, work: Callable[[], Awaitable[T]], *, steps: int = 0) -> T:
+def _run(settings: Settings, work: Callable[[], Awaitable[T]], *, steps: int | None = 0) -> T:
     """Run a coroutine under :func:`_guard`, bounded by a few steps' time (and ``steps``
-    more: the writes of a chunked load)."""
-    bound = settings.timeout * (4 + steps)
+    more; None: not bounded as a whole, each of its steps is)."""
+    bound = None if steps is None else settings.timeout * (4 + steps)
     return _guard(lambda: asyncio.run(_bounded(work(), bound)), settings.timeout)
 
 
@@ -293,7 +299,7 @@ def _checked(settings: Settings, work: Callable[[], T]) -> T:
     return _guard(work, settings.timeout)
 
 
-async def _bounded(work: Awaitable[T], timeout: float) -> T:
+async def _bounded(work: Awaitable[T], timeout: float | None) -> T:
     async with asyncio.timeout(timeout):
         return await work
 
@@ -607,21 +613,32 @@ def load(settings: Settings, source: Any, chunk: int | None, replace: bool) -> N
             try:
                 await state_map.put_all(part, timeout=settings.timeout)
             except PulsarStateError as exc:
+                loaded = f"entries 1-{done} were loaded" if done else "no entry was loaded"
                 raise PartialLoad(
-                    f"{type(exc).__name__}: {exc} (chunk {begin // chunk + 1} failed; entries "
-                    f"1-{done} were loaded, entries {done + 1}-{len(entries)} were not"
+                    f"{type(exc).__name__}: {exc} (chunk {begin // chunk + 1} failed; {loaded}, "
+                    f"entries {done + 1}-{len(entries)} were not"
                     f"{'; no key was deleted' if replace else ''})"
                 ) from exc
             done += len(part)
             click.echo(f"loaded {done}/{len(entries)} entries", err=True)
-        if replace:  # after the puts: a failed load never leaves the map emptied
-            await state_map.update_multiple(
-                lambda key: key not in keys, lambda _key, _value: None, timeout=settings.timeout
-            )
+        if replace:  # after the puts, a chunk at a time: a failed load never empties the map
+            stale = [k for k in await state_map.list_keys(latest=True) if k not in keys]
+            deleted = 0
+            for begin in range(0, len(stale), chunk):
+                part_keys = stale[begin : begin + chunk]
+                try:
+                    await state_map.transact(_deleting(part_keys), timeout=settings.timeout)
+                except PulsarStateError as exc:
+                    raise PartialLoad(
+                        f"{type(exc).__name__}: {exc} (all {len(entries)} entries were loaded; "
+                        f"{deleted} of the {len(stale)} other keys were deleted)"
+                    ) from exc
+                deleted += len(part_keys)
+                click.echo(f"deleted {deleted}/{len(stale)} other keys", err=True)
         return state_map.position
 
-    chunks = 0 if chunk is None else -(-len(entries) // chunk)
-    position = _run(settings, lambda: _with_map(settings, work), steps=chunks)
+    # A chunked load takes a step per chunk (each bounded by --timeout): no bound on the whole.
+    position = _run(settings, lambda: _with_map(settings, work), steps=None if chunk else 0)
     if settings.json:
         _emit(_dumps({"loaded": len(entries), "position": position}))
     else:

@@ -479,3 +479,33 @@ def test_a_lone_surrogate_is_shown_as_its_escape(broker: Broker, topic: str) -> 
     assert ok(pulsar_state(broker, topic, "get", "k")) == "a\\ud800\n"
     dumped = ok(pulsar_state(broker, topic, "dump"))
     assert json.loads(dumped)["value"] == "a\ud800"
+
+
+def test_a_chunked_replace_deletes_many_keys_a_chunk_at_a_time(broker: Broker, topic: str) -> None:
+    # Before: every other key was deleted in one write, over max_record_bytes past about
+    # 35,000 keys, after every chunk had been loaded.
+    many = "".join(json.dumps({"key": f"k{i:05d}", "value": 0}) + "\n" for i in range(40_000))
+    ok(pulsar_state(broker, topic, "load", "--chunk", "10000", stdin=many))
+    keep = json.dumps({"key": "kept", "value": 1}) + "\n"
+    result = pulsar_state(broker, topic, "load", "--chunk", "10000", "--replace", stdin=keep)
+    assert ok(result).startswith("OK loaded 1 entries")
+    assert "deleted 40000/40000 other keys" in result.stderr
+    assert json.loads(ok(pulsar_state(broker, topic, "-o", "json", "ls"))) == ["kept"]
+
+
+def test_output_the_terminal_cannot_encode_is_escaped(broker: Broker, topic: str) -> None:
+    ok(pulsar_state(broker, topic, "put", "price", '"10 \u20ac"'))
+    env = {
+        **os.environ,
+        "PULSAR_SERVICE_URL": broker.service_url,
+        "PULSAR_ADMIN_URL": broker.admin_url,
+        "PYTHONIOENCODING": "latin-1",
+    }
+    result = subprocess.run(
+        [str(COMMAND), "-t", topic, "get", "price"],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"10 \\u20ac\n"
