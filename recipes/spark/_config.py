@@ -108,7 +108,15 @@ class SharedConfig(Generic[C]):
         is raised as is). Returns the config as this process sees it right after the write
         (so it includes the change).
         """
-        return self._update({**(changes or {}), **fields}, timeout)
+        merged = {**(changes or {}), **fields}
+        if not merged:
+            # update(timeout=60) on a config with a field named timeout would otherwise
+            # change nothing without a word.
+            raise ConfigurationError(
+                "update() got no change (a field named timeout is changed as "
+                'update({"timeout": ...}))'
+            )
+        return self._update(merged, timeout)
 
     def _update(self, changes: dict[str, Any], timeout: float | None) -> C:
         unknown = sorted(set(changes) - set(self._fields))

@@ -174,3 +174,9 @@ def test_a_field_named_timeout_is_written_and_updated(spec: MapSpec) -> None:
     assert config.update({"timeout": 60.0}, retries=2) == WithTimeout(60.0, 2)
     assert config.update(retries=4, timeout=30.0) == WithTimeout(60.0, 4)  # the call's timeout
     assert config.read(latest=True) == WithTimeout(60.0, 4)
+
+
+def test_an_update_with_no_change_is_refused(spec: MapSpec) -> None:
+    config = SharedConfig(spec, WithTimeout)
+    with pytest.raises(ConfigurationError, match="no change"):
+        config.update(timeout=60.0)  # the call's timeout: the field is update({"timeout": ...})
