@@ -995,7 +995,7 @@ class SnapshotPolicy(Generic[S]):
         )
 
     async def _auto(self) -> None:
-        succeeded = False
+        succeeded = failed = False
         try:
             newest = await self._store.latest()
             if (
@@ -1010,20 +1010,26 @@ class SnapshotPolicy(Generic[S]):
             await self.take(self._settings.write_timeout_s)
             succeeded = True
         except WriterBusyError:
+            # Another process is taking one: wait a moment (each attempt copies the state),
+            # never longer (nothing failed).
+            self._auto_after = asyncio.get_running_loop().time() + _AUTO_RETRY_S
             logger.debug("another process is writing a snapshot of %s", self._topic)
         except CodecError as exc:
+            failed = True
             logger.error("automatic snapshot of %s refused: %s", self._topic, exc)
         except PulsarStateError as exc:
+            failed = True
             logger.warning("automatic snapshot of %s failed: %s", self._topic, exc)
         except Exception as exc:  # a snapshot codec's own error: logged, never lost unseen
+            failed = True
             logger.error("automatic snapshot of %s raised: %r", self._topic, exc)
         finally:
             self._task = None
-            if succeeded:
-                self._auto_pause = _AUTO_RETRY_S
-            else:
+            if failed:
                 self._auto_after = asyncio.get_running_loop().time() + self._auto_pause
                 self._auto_pause = min(self._auto_pause * 2, _AUTO_RETRY_MAX_S)
+            elif succeeded:
+                self._auto_pause = _AUTO_RETRY_S
         # Writes went on while it ran: if another is already due, take it now. Never after a
         # failure, which would only retry in a loop; the next write checks again.
         if succeeded and not self._context.closed and self._due():

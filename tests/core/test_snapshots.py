@@ -487,3 +487,19 @@ async def test_automatic_snapshots_of_a_recreated_topic_ignore_the_old_ones(
                 break
             await asyncio.sleep(0.05)
         assert new.stats.snapshots_written >= 1
+
+
+async def test_an_automatic_snapshot_not_due_after_another_process_s_does_not_back_off(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        counter_manager(service_url, topic, admin_url, snapshot_every_records=5, **json_state) as m,
+        counter_manager(service_url, topic, admin_url, **json_state) as other,
+    ):
+        await other.write(lambda s: [incr("a")])
+        await other.snapshot()
+        await m.sync()
+        policy = m._snapshots  # test-only: what the next batch's check would run
+        await policy._auto()  # another process took one since: not due, nothing failed
+        # Before: counted as a failure, so the next automatic snapshot waited (doubling).
+        assert policy._auto_after == float("-inf")
