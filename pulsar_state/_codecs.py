@@ -118,7 +118,7 @@ class JsonCodec:
         # is the JSON escape. A high and a low one in a row would decode as ONE character,
         # so the escaped text is kept only if it decodes to the value itself.
         data = text.encode("utf-8", "backslashreplace")
-        if self.decode(data) != value:
+        if self.decode(data) != json.loads(text):  # JSON's own form (tuples are lists...)
             raise CodecError(
                 "value holds a pair of surrogates in a row, which JSON reads as one character"
             )
