@@ -472,7 +472,9 @@ class SharedStateManager(Tunables, Generic[S, Op]):
 
         ``generator(state)`` returns the ops to append; it runs on a trial copy of the state
         at the tail of the log, while this process holds the exclusive writer, and may run
-        more than once (if another writer got in first). It runs on the event loop's thread
+        more than once (if another writer got in first, or it raised on a state not yet
+        confirmed the log's latest: the exception is raised to the caller only once it is).
+        It runs on the event loop's thread
         but outside the caller's task (in the writer's, or a callback of the loop), so it
         must not depend on the caller's context variables. Each op is validated by applying it
         to that trial copy before anything is sent. The ops of one write are applied together

@@ -56,6 +56,9 @@ class PendingWrite:
     # and the base position of the latest (one may be appended late while that is the tip).
     relays: int = 0
     relayed_base: int | None = None
+    # Its failure, decided on the state it was built on: given once that state is confirmed
+    # the log's latest (as a write that changes nothing is confirmed), else decided again.
+    refusal: BaseException | None = None
 
 
 class RecordClaim:
@@ -202,6 +205,7 @@ class PendingWrites:
             return
         for pending in again:
             pending.queued = True
+            pending.refusal = None  # decided again
         self.queue.extendleft(reversed(again))
         if retry_count:
             self._stats.write_retries += len(again)

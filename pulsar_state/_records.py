@@ -112,11 +112,15 @@ class RecordBuilder(Generic[S, Op]):
         )
         result: Batch[W] = Batch()
 
-        def refuse(request: W, error: BaseException) -> None:
-            if applied:  # decided on this batch's earlier writes, which may not land
-                result.deferred.append(request)
-            else:
-                result.refused.append((request, error))
+        def refuse(index: int, error: BaseException) -> bool:
+            """Refuse ``batch[index]``, or (decided on this batch's earlier writes, which may
+            not land) defer it and every write after it, in order: True then, the batch ends
+            here."""
+            if applied:
+                result.deferred.extend(batch[index:])
+                return True
+            result.refused.append((batch[index], error))
+            return False
 
         trial = machine.trial_copy(state)
         # What was applied to the trial state, to rebuild it when a write fails half-way.
@@ -148,11 +152,12 @@ class RecordBuilder(Generic[S, Op]):
             base_version, base_id = base_version + 1, record.record_id
             group, group_size = [], record_overhead(writer_id, base_id)
 
-        for request in batch:
+        for index, request in enumerate(batch):
             try:
                 ops = list(request.generator(trial))
             except Exception as exc:  # the caller's generator: its exception, unchanged
-                refuse(request, exc)
+                if refuse(index, exc):
+                    break
                 continue
             if not ops and not (group or applied):
                 # A conditional write that changes nothing appends nothing: decided on the
@@ -164,7 +169,8 @@ class RecordBuilder(Generic[S, Op]):
             try:
                 encoded = machine.encode(ops)
             except CodecError as exc:
-                refuse(request, exc)
+                if refuse(index, exc):
+                    break
                 continue
             size = write_size(encoded)
             if size + largest_overhead > max_bytes:
@@ -175,7 +181,8 @@ class RecordBuilder(Generic[S, Op]):
                     size=size,
                     limit=max_bytes,
                 )
-                refuse(request, error)
+                if refuse(index, error):
+                    break
                 continue
             make_room(size)
             record_version = base_version + 1  # the version of the record this write joins
@@ -195,7 +202,8 @@ class RecordBuilder(Generic[S, Op]):
                 if not isinstance(exc, ApplyError):  # begin_record raised
                     failure = ApplyError(f"begin_record raised: {type(exc).__name__}: {exc}")
                     failure.__cause__ = exc
-                refuse(request, failure)
+                if refuse(index, failure):
+                    break
                 # The trial state may hold part of this write: rebuild it from the real one.
                 trial = machine.trial_copy(state)
                 begun = -1

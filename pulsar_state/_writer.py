@@ -889,8 +889,9 @@ class Writer:
         return records
 
     def _build_now(self) -> tuple[list[OutgoingRecord[PendingWrite]], list[PendingWrite]]:
-        """The records of the next batch of queued writes, and the writes that append
-        nothing (to settle); the refused ones get their error here."""
+        """The records of the next batch of queued writes, and the writes decided on the
+        replica's state that append nothing or were refused (to settle: they stand only if
+        that state is the log's latest); deferred ones are queued again."""
         pending, replica = self._pending, self._replica
         batch = pending.take(self._batch_size())
         built = self._builder.build(
@@ -899,8 +900,16 @@ class Writer:
             replica.version,
             replica.last_record_id,
         )
+        unchanged = []
         for refused, error in built.refused:
-            refused.future.set_exception(self._unless_lingering(refused, error))
+            if self._lingering(refused):
+                refused.future.set_exception(self._unless_lingering(refused, error))
+            else:
+                # Decided on this replica's state, which may be behind the log (a process
+                # relaying its writes reads the holder's a moment late): it stands once that
+                # state is confirmed the latest, as a write that changes nothing does.
+                refused.refusal = error
+                unchanged.append(refused)
         if built.deferred:
             # Decided again in a later batch, on the state holding this batch's outcome.
             pending.requeue(built.deferred, retry_count=False)
@@ -911,7 +920,6 @@ class Writer:
             culprit.future.set_exception(error)
             replica.halt_with(error)
             return [], []
-        unchanged = []
         for write in built.unchanged:
             if self._lingering(write):
                 write.future.set_exception(self._unless_lingering(write, None))
@@ -1139,8 +1147,9 @@ class Writer:
     async def _settle_unchanged(
         self, writes: list[PendingWrite], built: Sequence[OutgoingRecord[PendingWrite]] = ()
     ) -> bool:
-        """Confirm ``writes`` (no ops, decided on the replica's state) if that state is the
-        log's latest; True if so. Otherwise they are queued again, and so are the writes of
+        """Confirm ``writes`` (no ops, or refused: decided on the replica's state) if that
+        state is the log's latest; True if so: each completes, or fails with its refusal.
+        Otherwise they are queued again, and so are the writes of
         ``built`` (records of the same batch not sent yet, built on that state): all are
         decided again on the newer state, in their order."""
         # Holding the exclusive writer is not proof enough that the state is the latest
@@ -1156,7 +1165,14 @@ class Writer:
         if self._replica.version != version or self._replica.halt is not None:
             self._pending.requeue(again)
             return False
-        self._pending.complete_unchanged(writes, self._replica.state, version)
+        confirmed = []
+        for write in writes:
+            error, write.refusal = write.refusal, None
+            if error is None:
+                confirmed.append(write)
+            elif not write.future.done():
+                write.future.set_exception(self._unless_lingering(write, error))
+        self._pending.complete_unchanged(confirmed, self._replica.state, version)
         return True
 
     async def _send_failed(

@@ -666,3 +666,41 @@ async def test_relay_idle_release_s_keeps_the_writer_only_while_the_relay_is_up(
         assert (relayed.stats.writer_acquisitions, relayed.stats.writer_releases) == (1, 0)
         assert off.stats.writer_acquisitions == 2
         assert down.stats.writer_acquisitions == 2
+
+
+async def test_a_refusal_decided_on_a_state_behind_the_log_is_decided_again(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The sender relays its writes: it builds them on its replica, which reads the holder's
+    # records a moment late (held back here). A write whose generator fails on that state
+    # (the key a finished write made is not there yet) must not fail on it: the failure
+    # stands only once the state is confirmed the log's latest. Before: KeyError at once.
+    async with holder_and_sender(
+        service_url, admin_url, topic, sender={"acquire_timeout_s": 2.0}
+    ) as (holder, sender):
+        replica = sender._replica
+        read_next = replica._next_batch
+        gate = asyncio.Event()
+        gate.set()
+
+        async def held_back() -> Any:
+            batch = await read_next()
+            await gate.wait()
+            return batch
+
+        replica._next_batch = held_back  # type: ignore[method-assign]
+        noise = await holder.write(lambda s: [incr("noise")])
+        await until(lambda: sender.position >= noise.position, "the sender reads on")
+        gate.clear()
+        await holder.write(lambda s: [incr("made")])  # finished before the next write starts
+
+        def needs_made(state: Counter) -> list[dict[str, Any]]:
+            if "made" not in state["seen"]:
+                raise KeyError("made is not there")
+            return [incr("after-made")]
+
+        write = asyncio.ensure_future(sender.write(needs_made))
+        await asyncio.sleep(0.3)
+        gate.set()
+        await asyncio.wait_for(write, 30)
+        assert (await seen_by(sender))["after-made"] == 1
