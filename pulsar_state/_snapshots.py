@@ -69,6 +69,7 @@ _TAKES_STOP_S = 10.0
 # The pause before the next automatic snapshot after one failed, doubling up to the maximum.
 _AUTO_RETRY_S = 1.0
 _AUTO_RETRY_MAX_S = 300.0
+_AUTO_BUSY_MAX_S = 30.0
 
 
 def run_in_own_thread(work: Callable[[], T], name: str) -> asyncio.Future[T]:
@@ -595,6 +596,7 @@ class SnapshotPolicy(Generic[S]):
         # the pause doubles with each failure in a row (each attempt copies the state).
         self._auto_after = float("-inf")
         self._auto_pause = _AUTO_RETRY_S
+        self._busy_pause = _AUTO_RETRY_S  # the same, while other processes are writing one
         # True while a snapshot is being stored into a durable state: its content may change
         # before the replica's version does, so no snapshot is taken meanwhile.
         self._storing = False
@@ -1010,9 +1012,10 @@ class SnapshotPolicy(Generic[S]):
             await self.take(self._settings.write_timeout_s)
             succeeded = True
         except WriterBusyError:
-            # Another process is taking one: wait a moment (each attempt copies the state),
-            # never longer (nothing failed).
-            self._auto_after = asyncio.get_running_loop().time() + _AUTO_RETRY_S
+            # Another process is writing one (each attempt copies and encodes the state
+            # first): wait, longer each time in a row, up to _AUTO_BUSY_MAX_S.
+            self._auto_after = asyncio.get_running_loop().time() + self._busy_pause
+            self._busy_pause = min(self._busy_pause * 2, _AUTO_BUSY_MAX_S)
             logger.debug("another process is writing a snapshot of %s", self._topic)
         except CodecError as exc:
             failed = True
@@ -1029,7 +1032,7 @@ class SnapshotPolicy(Generic[S]):
                 self._auto_after = asyncio.get_running_loop().time() + self._auto_pause
                 self._auto_pause = min(self._auto_pause * 2, _AUTO_RETRY_MAX_S)
             elif succeeded:
-                self._auto_pause = _AUTO_RETRY_S
+                self._auto_pause = self._busy_pause = _AUTO_RETRY_S
         # Writes went on while it ran: if another is already due, take it now. Never after a
         # failure, which would only retry in a loop; the next write checks again.
         if succeeded and not self._context.closed and self._due():

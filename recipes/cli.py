@@ -258,7 +258,11 @@ def _echo(line: str, *, err: bool = False) -> None:
         # A lone surrogate in a key or value (JSON can carry one), or a character the
         # terminal's encoding lacks: shown as its escape (a surrogate's is JSON's own).
         encoding = getattr(sys.stderr if err else sys.stdout, "encoding", None) or "utf-8"
-        click.echo(line.encode(encoding, "backslashreplace").decode(encoding), err=err)
+        try:  # a JSON line stays JSON: its own escapes
+            line = json.dumps(json.loads(line), ensure_ascii=True, sort_keys=True)
+        except ValueError:
+            line = line.encode(encoding, "backslashreplace").decode(encoding)
+        click.echo(line, err=err)
 
 
 def _emit(line: str) -> None:

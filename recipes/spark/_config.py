@@ -109,12 +109,11 @@ class SharedConfig(Generic[C]):
         (so it includes the change).
         """
         merged = {**(changes or {}), **fields}
-        if not merged:
-            # update(timeout=60) on a config with a field named timeout would otherwise
-            # change nothing without a word.
+        if not merged and timeout is not None and "timeout" in self._fields:
+            # update(timeout=60) meant for the field would otherwise change nothing.
             raise ConfigurationError(
-                "update() got no change (a field named timeout is changed as "
-                'update({"timeout": ...}))'
+                "update(timeout=...) is the call's timeout and changes nothing: the field "
+                'named timeout is changed as update({"timeout": ...})'
             )
         return self._update(merged, timeout)
 

@@ -494,7 +494,7 @@ def test_a_chunked_replace_deletes_many_keys_a_chunk_at_a_time(broker: Broker, t
 
 
 def test_output_the_terminal_cannot_encode_is_escaped(broker: Broker, topic: str) -> None:
-    ok(pulsar_state(broker, topic, "put", "price", '"10 \u20ac"'))
+    ok(pulsar_state(broker, topic, "put", "price", '"10 \u20ac \U0001f600"'))
     env = {
         **os.environ,
         "PULSAR_SERVICE_URL": broker.service_url,
@@ -508,4 +508,13 @@ def test_output_the_terminal_cannot_encode_is_escaped(broker: Broker, topic: str
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout == b"10 \\u20ac\n"
+    assert result.stdout == b"10 \\u20ac \\U0001f600\n"
+    as_json = subprocess.run(
+        [str(COMMAND), "-t", topic, "-o", "json", "get", "price"],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert as_json.returncode == 0, as_json.stderr
+    # Still JSON (a non-BMP character's backslash escape is not): JSON's own escapes.
+    assert json.loads(as_json.stdout)["value"] == "10 \u20ac \U0001f600"

@@ -26,6 +26,7 @@ from pulsar_state import (
     ReplicaHaltedError,
     SharedStateManager,
     SnapshotManifest,
+    WriterBusyError,
 )
 from pulsar_state._envelope import encode_manifest
 from tests.core.helpers import Counter, apply_counter, counter_manager, incr, raw_producer
@@ -503,3 +504,23 @@ async def test_an_automatic_snapshot_not_due_after_another_process_s_does_not_ba
         await policy._auto()  # another process took one since: not due, nothing failed
         # Before: counted as a failure, so the next automatic snapshot waited (doubling).
         assert policy._auto_after == float("-inf")
+
+
+async def test_automatic_snapshots_wait_longer_while_others_keep_writing_one(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each attempt copies and encodes the state before it finds the writer busy. Before:
+    # tried again every second for as long as another process's snapshot took.
+    async with counter_manager(service_url, topic, admin_url, **json_state) as m:
+        policy = m._snapshots  # test-only: the automatic path, with a busy writer
+
+        async def busy(timeout: float) -> SnapshotManifest:
+            raise WriterBusyError("another process is writing a snapshot")
+
+        monkeypatch.setattr(policy, "take", busy)
+        pauses = []
+        for _ in range(3):
+            started = asyncio.get_running_loop().time()
+            await policy._auto()
+            pauses.append(round(policy._auto_after - started))
+        assert pauses == [1, 2, 4]

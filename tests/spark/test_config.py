@@ -176,7 +176,10 @@ def test_a_field_named_timeout_is_written_and_updated(spec: MapSpec) -> None:
     assert config.read(latest=True) == WithTimeout(60.0, 4)
 
 
-def test_an_update_with_no_change_is_refused(spec: MapSpec) -> None:
+def test_an_update_of_only_the_call_timeout_is_refused_for_a_timeout_field(
+    spec: MapSpec,
+) -> None:
     config = SharedConfig(spec, WithTimeout)
-    with pytest.raises(ConfigurationError, match="no change"):
+    with pytest.raises(ConfigurationError, match="changes nothing"):
         config.update(timeout=60.0)  # the call's timeout: the field is update({"timeout": ...})
+    assert config.update({}) == WithTimeout()  # an empty diff: nothing to do
