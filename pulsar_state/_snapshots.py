@@ -279,7 +279,6 @@ class SnapshotStore:
         tail = await self._admin.last_position(self.data_topic)
         if tail is None or tail < at:
             raise missing
-        deadline = asyncio.get_running_loop().time() + self._timeout_s
         # Chunks are big (a megabyte by default): a few ahead are enough to keep reading.
         reader = await ReopeningReader(
             self.conn, str(self.data_topic), at=at, prefetch=_CHUNK_PREFETCH
@@ -290,10 +289,13 @@ class SnapshotStore:
             while due < manifest.chunks:
                 if last_seen is not None and last_seen >= tail:
                     raise missing  # the data topic ends before the snapshot's last chunk
-                # The deadline bounds the reads only: the caller's work between chunks is
-                # its own (and a timeout must not span a generator's yield).
-                async with asyncio.timeout_at(deadline):
+                # Each read is bounded, not the whole load: a snapshot of many gigabytes takes
+                # as long as it takes while chunks keep coming (and the caller's work between
+                # chunks is its own; a timeout must not span a generator's yield).
+                async with asyncio.timeout(self._timeout_s):
                     message = await reader.read_next()
+                if last_seen is None and message.position != at:
+                    raise missing  # its first chunk is gone (trimmed): the reader started later
                 last_seen = message.position
                 snapshot_id, index, count, data = decode_chunk(
                     message.payload, message_id=str(message.position)

@@ -29,6 +29,7 @@ from pulsar_state import (
     WriterBusyError,
 )
 from pulsar_state._envelope import encode_manifest
+from pulsar_state._pulsar import ReopeningReader
 from tests.core.helpers import Counter, apply_counter, counter_manager, incr, raw_producer
 from tests.support.broker import REPO, Broker, admin_request
 
@@ -524,3 +525,29 @@ async def test_automatic_snapshots_wait_longer_while_others_keep_writing_one(
             await policy._auto()
             pauses.append(round(policy._auto_after - started))
         assert pauses == [1, 2, 4]
+
+
+async def test_a_snapshot_loads_as_long_as_its_chunks_keep_coming(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each read of a chunk is bounded, not the whole load. Before: one deadline for all the
+    # chunks, so a snapshot too big to read within it could never load (fall-forward, or a
+    # durable store built from it). Injected: every read takes 0.3 s, the bound is 1 s.
+    async with counter_manager(
+        service_url, topic, admin_url, snapshot_chunk_bytes=64, **json_state
+    ) as m:
+        for i in range(6):
+            await m.write(lambda s, i=i: [incr(f"key-{i:04d}-" + "x" * 100)])
+        manifest = await m.snapshot()
+        assert manifest.chunks >= 6
+        store = m._snapshots._store  # test-only: the store, its bound, its reads made slow
+        store._timeout_s = 1.0
+        read_next = ReopeningReader.read_next
+
+        async def slow(self: ReopeningReader) -> Any:
+            await asyncio.sleep(0.3)
+            return await read_next(self)
+
+        monkeypatch.setattr(ReopeningReader, "read_next", slow)
+        data = await store.load(manifest)
+        assert JsonCodec().decode(data) == await m.read(lambda s: s)
