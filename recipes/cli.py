@@ -768,24 +768,42 @@ def _map_op_decoder(settings: Settings) -> Callable[[bytes], dict[str, Any]]:
 def log(settings: Settings, ops: str, limit: int | None) -> None:
     """Decode the records of a state topic, oldest first: position, writer, time, ops.
 
-    ``position`` is the version the record made (null for a record every replica rejects:
-    a stale or fenced writer's, harmless).
+    ``position`` is the version the record made (null for a record not accepted) and
+    ``verdict`` what a replica does with it: ``accepted``; ``stale`` (ignored by every
+    replica: a stale or fenced writer's, or a copy of a record, harmless); ``forked`` (built
+    on a history this log does not hold: every replica halts on it). A log whose beginning
+    was trimmed is read from its first record, taken as accepted.
     """
 
     def records() -> Iterator[dict[str, Any]]:
         show: Callable[[bytes], Any] = _map_op_decoder(settings) if ops == "map" else _to_json
         accepted, last_id = 0, ""
+        stale: dict[str, int] = {}  # as a replica keeps them (pulsar_state._replica)
+        first = True
         for message in _read_all(settings, settings.need_topic(), limit):
             published = datetime.datetime.fromtimestamp(
                 message.publish_time_ms / 1000, tz=datetime.UTC
             )
             record = decode_record(message.payload, message_id=message.message_id)
-            # The same compare-and-set every replica applies (see pulsar_state._envelope).
-            taken = record.base_position == accepted and record.base_record_id == last_id
-            if taken:
+            if first and record.base_position > 0:
+                accepted, last_id = record.base_position, record.base_record_id  # trimmed
+            first = False
+            # The same rules every replica applies (see pulsar_state._replica).
+            if record.base_position < accepted:
+                verdict = "stale"
+            elif record.base_position == accepted and record.base_record_id == last_id:
+                verdict = "accepted"
                 accepted, last_id = accepted + 1, record.record_id
+                stale.clear()
+            elif stale.get(record.base_record_id) == record.base_position:
+                verdict = "stale"
+            else:
+                verdict = "forked"
+            if verdict == "stale":
+                stale[record.record_id] = record.base_position + 1
             yield {
-                "position": accepted if taken else None,
+                "position": accepted if verdict == "accepted" else None,
+                "verdict": verdict,
                 "log_position": f"{message.position.ledger}:{message.position.entry}",
                 "record_id": record.record_id,
                 "writer": record.writer_id,
@@ -798,7 +816,8 @@ def log(settings: Settings, ops: str, limit: int | None) -> None:
             if settings.json:
                 _emit(_dumps(document))
             else:
-                state = document["position"] if document["position"] is not None else "rejected"
+                position, verdict = document["position"], document["verdict"]
+                state = position if position is not None else verdict
                 ops_text = " | ".join(
                     ", ".join(_text(op) for op in write) for write in document["writes"]
                 )

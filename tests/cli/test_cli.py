@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from pulsar_state import JsonCodec
+from pulsar_state._envelope import Record, Write, encode_record
 from pulsar_state.testing import Broker, admin_request
-from tests.core.helpers import counter_manager, incr
+from tests.core.helpers import counter_manager, incr, raw_producer
 
 COMMAND = Path(sys.executable).with_name("pulsar-state")
 
@@ -518,3 +519,50 @@ def test_output_the_terminal_cannot_encode_is_escaped(broker: Broker, topic: str
     assert as_json.returncode == 0, as_json.stderr
     # Still JSON (a non-BMP character's backslash escape is not): JSON's own escapes.
     assert json.loads(as_json.stdout)["value"] == "10 \u20ac \U0001f600"
+
+
+async def test_log_says_what_replicas_do_with_each_record(
+    broker: Broker, topic: str, tmp_path: Path
+) -> None:
+    # Before: every record not accepted was "rejected" (harmless), though replicas halt on
+    # a forked one, and a stale writer's pipelined chain showed as a fork-free rejection
+    # only by chance; a log whose beginning was trimmed showed every record rejected.
+    ok(pulsar_state(broker, topic, "put", "a", "1"))
+    first_id = log_records(broker, topic)[0]["record_id"]
+    op = JsonCodec().encode({"op": "incr"})
+    async with raw_producer(broker.service_url, topic) as producer:
+        for record in [
+            Record("late", 1, 0, "", [Write(1, [op])]),  # stale: base 0, the log is at 1
+            Record("late", 2, 1, "late/1", [Write(2, [op])]),  # its chain: stale too
+            Record("other", 1, 1, first_id, [Write(1, [op])]),  # accepted at 2
+            Record("elsewhere", 9, 7, "elsewhere/8", [Write(1, [op])]),  # forked
+        ]:
+            await producer.send(encode_record(record), partition_key=record.record_id)
+    raw = [
+        json.loads(line)
+        for line in ok(pulsar_state(broker, topic, "-o", "json", "log")).splitlines()
+    ]
+    assert [(r["verdict"], r["position"]) for r in raw] == [
+        ("accepted", 1),
+        ("stale", None),
+        ("stale", None),
+        ("accepted", 2),
+        ("forked", None),
+    ]
+    text = ok(pulsar_state(broker, topic, "log")).splitlines()
+    assert [line.split("\t")[0] for line in text] == ["1", "stale", "stale", "2", "forked"]
+
+
+async def test_log_of_a_topic_whose_beginning_was_trimmed(broker: Broker, topic: str) -> None:
+    from tests.core.test_trimming import trimmed_topic
+
+    await trimmed_topic(broker.service_url, broker.admin_url, topic)
+    raw = [
+        json.loads(line)
+        for line in ok(pulsar_state(broker, topic, "-o", "json", "log")).splitlines()
+    ]
+    assert raw
+    assert {r["verdict"] for r in raw} == {"accepted"}  # before: none was
+    positions = [r["position"] for r in raw]
+    assert positions == list(range(positions[0], positions[0] + len(raw)))
+    assert positions[-1] == 40
