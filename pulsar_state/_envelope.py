@@ -226,6 +226,33 @@ class SnapshotManifest:
 
 
 _MANIFEST_FIELDS = frozenset(SnapshotManifest.__dataclass_fields__)
+# Each field's accepted JSON types (None allowed where the field has a default of None).
+_MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("snapshot_id", "record_id", "digest", "writer_id"), (str,)),
+    **dict.fromkeys(
+        (
+            "position",
+            "log_ledger",
+            "log_entry",
+            "size",
+            "chunks",
+            "first_chunk_ledger",
+            "first_chunk_entry",
+        ),
+        (int,),
+    ),
+    "created_at": (int, float),
+    **dict.fromkeys(("log_first_ledger", "log_first_entry"), (int, type(None))),
+    **dict.fromkeys(("log_first_record", "log_covered_record", "log_origin"), (str, type(None))),
+}
+
+
+def _check_manifest(manifest: SnapshotManifest) -> None:
+    for name, allowed in _MANIFEST_TYPES.items():
+        value = getattr(manifest, name)
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            raise TypeError(f"field {name} is {value!r}")
+    bytes.fromhex(manifest.snapshot_id)  # ValueError if not hex (chunks carry it as bytes)
 
 
 def message_fingerprint(payload: bytes, *, message_id: str) -> str:
@@ -260,7 +287,9 @@ def decode_manifest(payload: bytes, *, message_id: str) -> SnapshotManifest:
     try:
         fields = json.loads(payload[len(MANIFEST_MAGIC) : end])
         # Fields a newer version added are ignored: what this version checks stays checked.
-        return SnapshotManifest(**{k: v for k, v in fields.items() if k in _MANIFEST_FIELDS})
+        manifest = SnapshotManifest(**{k: v for k, v in fields.items() if k in _MANIFEST_FIELDS})
+        _check_manifest(manifest)  # a field of another type would fail later, elsewhere
+        return manifest
     except (TypeError, ValueError, AttributeError) as exc:
         raise CorruptRecordError(
             f"message {message_id}: damaged snapshot manifest ({exc})", message_id=message_id

@@ -530,6 +530,19 @@ def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _decoded(codec: Codec[S], data: bytes) -> S:
+    """``codec.decode(data)``; whatever it raises is a CodecError (the snapshot is unusable:
+    the caller falls back to an older one or to the log)."""
+    try:
+        return codec.decode(data)
+    except CodecError:
+        raise
+    except Exception as exc:
+        raise CodecError(
+            f"snapshot_codec could not decode the snapshot: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def encode_checked(codec: Codec[S], state: S) -> bytes:
     """The state's snapshot bytes, refused (CodecError) unless they load back exactly.
 
@@ -696,7 +709,7 @@ class SnapshotPolicy(Generic[S]):
                         raise
                 else:
                     data = await self._store.load(manifest)
-                    state = await asyncio.to_thread(self._codec.decode, data)
+                    state = await asyncio.to_thread(_decoded, self._codec, data)
             except (PulsarStateError, TimeoutError) as exc:
                 if transient_raises and is_transient(exc):
                     raise

@@ -551,3 +551,25 @@ async def test_a_snapshot_loads_as_long_as_its_chunks_keep_coming(
         monkeypatch.setattr(ReopeningReader, "read_next", slow)
         data = await store.load(manifest)
         assert JsonCodec().decode(data) == await m.read(lambda s: s)
+
+
+async def test_a_snapshot_codec_raising_its_own_error_falls_back_to_an_older_snapshot(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Before: an exception other than CodecError from the codec's decode failed the open.
+    async with counter_manager(service_url, topic, admin_url, **json_state) as writer:
+        await write_increments(writer, 3, "a")
+        older = await writer.snapshot()
+        await write_increments(writer, 3, "newer")
+        await writer.snapshot()
+        expected = await writer.read(lambda s: s, latest=True)
+
+    class Picky(JsonCodec):
+        def decode(self, data: bytes, /) -> Any:
+            if b"newer" in data:
+                raise RuntimeError("a bug in the codec")
+            return super().decode(data)
+
+    async with counter_manager(service_url, topic, admin_url, snapshot_codec=Picky()) as m:
+        assert m.stats.snapshot_loaded_position == older.position
+        assert await m.read(lambda s: s) == expected
