@@ -110,6 +110,10 @@ class MapHistory:
                 state.clear()
         return state
 
+    def usable(self) -> bool:
+        """Whether it can still answer: its map open and its replica not halted."""
+        return not self._map.closed and self._map.async_map.manager.halted is None
+
     def close(self) -> None:
         try:
             self._portal.call_sync(self._watch.close)
@@ -123,5 +127,7 @@ class MapHistory:
 def get_history(spec: MapSpec, *, timeout: float | None = None) -> MapHistory:
     """This process's cached :class:`MapHistory` for ``spec`` (opened, replayed, on first use)."""
     return cached_resource(
-        "history:" + spec.key, lambda portal: MapHistory(spec, portal, timeout=timeout)
+        "history:" + spec.key,
+        lambda portal: MapHistory(spec, portal, timeout=timeout),
+        MapHistory.usable,
     )

@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self
@@ -274,7 +275,11 @@ def join_membership(
         logger.info("%s joined the group on %s", group.name, topic)
         return group
 
-    group = cached_resource(f"membership:{service_url}|{topic}", open_joined)
+    group = cached_resource(
+        f"membership:{service_url}|{topic}",
+        open_joined,
+        lambda found: not found.closed and found.async_membership.ownership.manager.halted is None,
+    )
     with _rejoining:
         if group.name not in group.members_local():
             logger.warning("%s lost its membership of %s: joining again", group.name, topic)
@@ -284,3 +289,13 @@ def join_membership(
 
 # One rejoin at a time per process (join refuses a member that is still in the group).
 _rejoining = threading.Lock()
+
+
+def _new_rejoin_lock() -> None:
+    # A forked child (PySpark's workers are) inherits the lock as it was: held, if another
+    # thread of the parent was rejoining at the fork, and never released in the child.
+    global _rejoining
+    _rejoining = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_rejoin_lock)

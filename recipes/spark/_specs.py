@@ -227,26 +227,50 @@ def _portal_locked(cache: _Cache) -> BlockingPortal:
     return cache.portal
 
 
-def cached_resource(key: str, open_new: Callable[[BlockingPortal], R]) -> R:
+def cached_resource(
+    key: str,
+    open_new: Callable[[BlockingPortal], R],
+    usable: Callable[[R], bool] = lambda _resource: True,
+) -> R:
     """This process's resource under ``key``, made by ``open_new(portal)`` on first use (on
     the portal the cached maps share). Cached like the maps: forgotten in a forked child,
-    closed by :func:`close_maps`."""
+    closed by :func:`close_maps`. One that is no longer ``usable`` (closed, or its replica
+    halted) is closed and replaced by a new one, as a cached map is."""
     cache = _current_cache()
     with cache.lock:
-        found = cache.resources.get(key)
+        found = _take_usable(cache, key, usable)
         if found is not None:
-            return cast(R, found)
+            return found
         opening = cache.opening.setdefault(f"resource:{key}", threading.Lock())
     with opening:  # not the cache's lock: opening one (a replay) must not hold up the others
         with cache.lock:
-            found = cache.resources.get(key)
+            found = _take_usable(cache, key, usable)
             if found is not None:
-                return cast(R, found)
+                return found
             portal = _portal_locked(cache)
         new = open_new(portal)
         with cache.lock:
             cache.resources[key] = new
         return new
+
+
+def _take_usable(cache: _Cache, key: str, usable: Callable[[R], bool]) -> R | None:
+    """The cached resource under ``key`` if usable; one that is not is dropped and closed in
+    another thread (never under the cache's lock: closing does I/O)."""
+    found = cast("R | None", cache.resources.get(key))
+    if found is None or usable(found):
+        return found
+    logger.warning("the cached %r can no longer serve: opening a new one", found)
+    del cache.resources[key]
+    threading.Thread(target=_close_resource, args=(found,), daemon=True).start()
+    return None
+
+
+def _close_resource(resource: _Closable) -> None:
+    try:
+        resource.close()
+    except Exception as exc:  # best effort: it is broken already
+        logger.warning("closing %r failed: %s", resource, exc)
 
 
 def _close_quietly(m: SyncPulsarMap[Any, Any]) -> None:

@@ -315,3 +315,30 @@ def test_a_forked_child_joins_as_itself_and_the_parent_stays_a_member(
     time.sleep(ttl * 1.2)
     assert parent.members() == [parent.name]
     assert join_membership(service_url, topic, **options) is parent
+
+
+def test_a_child_forked_while_a_rejoin_is_under_way_can_rejoin() -> None:
+    # The rejoin lock held by another thread at the fork: before, the child inherited it
+    # held, and its first join_membership blocked for ever.
+    from recipes.spark import _leases
+
+    def child() -> dict[str, bool]:
+        acquired = _leases._rejoining.acquire(timeout=5)
+        return {"acquired": acquired}
+
+    held, done = threading.Event(), threading.Event()
+
+    def rejoining() -> None:
+        with _leases._rejoining:
+            held.set()
+            done.wait(WAIT_S)
+
+    thread = threading.Thread(target=rejoining)
+    thread.start()
+    try:
+        assert held.wait(WAIT_S)
+        _pid, report = in_forked_child(child)
+    finally:
+        done.set()
+        thread.join()
+    assert report == {"acquired": True}

@@ -164,3 +164,25 @@ def test_opening_one_map_does_not_hold_up_the_others(spec: MapSpec) -> None:
         slow.join()
         close_maps()
     assert finished == ["reachable", "unreachable"]
+
+
+def test_a_closed_or_halted_cached_history_is_replaced(spec: MapSpec) -> None:
+    # Before: a cached MapHistory whose map closed or halted stayed cached, and every later
+    # read of the change feed or at a position in that worker failed.
+    from recipes.spark._history import get_history
+
+    get_map(spec).put("a", 1)
+    first = get_history(spec)
+    assert first.state_at(1)["a"][0] == 1
+    first.close()
+    second = get_history(spec)
+    assert second is not first
+    assert second.state_at(1)["a"][0] == 1
+    manager = second._map.async_map.manager
+    second._portal.call_sync(
+        lambda: manager._replica.halt_with(PulsarStateError("injected: the replica stopped"))
+    )
+    third = get_history(spec)
+    assert third is not second
+    assert third.state_at(1)["a"][0] == 1
+    close_maps()
