@@ -88,17 +88,7 @@ class LeaderElection(OneLeaseRecipe):
 
     async def resign(self, *, timeout: float | None = None) -> None:
         """Stop leading; the next candidate takes over. NotHeldError if not leading."""
-        lease, self._lease = self._lease, None
-        if lease is None:
-            raise NotHeldError(f"{self.name} is not leading")
-        try:
-            await self._ownership.release(lease, timeout=timeout)
-        except NotHeldError:
-            raise
-        except BaseException:
-            if self._lease is None:  # not released (or not known to be): call again to retry
-                self._lease = lease
-            raise
+        await self._give_up("not leading", timeout)
 
     @property
     def lease(self) -> Lease | None:

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pulsar_state import ConfigurationError
 
-from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError
+from ._lease_table import Lease, LeaseEvent, LeaseTable
 from ._streams import EventStream
 from .ownership import OneLeaseRecipe
 
@@ -73,17 +73,7 @@ class Membership(OneLeaseRecipe):
 
     async def leave(self, *, timeout: float | None = None) -> None:
         """Leave the group. NotHeldError if not a member (never joined, left, or expired)."""
-        lease, self._lease = self._lease, None
-        if lease is None:
-            raise NotHeldError(f"{self.name} is not a member")
-        try:
-            await self._ownership.release(lease, timeout=timeout)
-        except NotHeldError:
-            raise
-        except BaseException:
-            if self._lease is None:  # not released (or not known to be): call again to retry
-                self._lease = lease
-            raise
+        await self._give_up("not a member", timeout)
 
     def members_local(self) -> list[str]:
         """The members per the local replica (no I/O), sorted."""

@@ -741,6 +741,21 @@ class OneLeaseRecipe:
     async def open(self, *, timeout: float | None = None) -> None:
         await self._ownership.open(timeout=timeout)
 
+    async def _give_up(self, not_held: str, timeout: float | None) -> None:
+        """Release the lease (resign, leave); NotHeldError ``f"{name} is {not_held}"`` if
+        there is none. A release that fails otherwise keeps it: calling again retries."""
+        lease, self._lease = self._lease, None
+        if lease is None:
+            raise NotHeldError(f"{self.name} is {not_held}")
+        try:
+            await self._ownership.release(lease, timeout=timeout)
+        except NotHeldError:
+            raise
+        except BaseException:
+            if self._lease is None:  # not released (or not known to be)
+                self._lease = lease
+            raise
+
     async def aclose(self, *, timeout: float = 10.0) -> None:
         """Give up the lease (resign, leave) and disconnect."""
         await self._ownership.aclose(timeout=timeout)
