@@ -196,6 +196,7 @@ class Assembly(Generic[S, Op]):
             )
             if options.trim_history:
                 replica.fall_forward = self.snapshots.fall_forward
+                replica.holds_message = self.snapshots.holds_message
         if resume == "behind" and (self.snapshots is None or self.snapshots.loaded is None):
             # No snapshot loaded after all: records on top of a trimmed mark are not to be
             # read (the first one left may be a losing write based on it).

@@ -34,7 +34,7 @@ from ._errors import (
 from ._machine import StateMachine, identical
 from ._pulsar import READER_STALL_S, LogPosition, PulsarConnection, RawMessage, StateReader
 from ._records import Adoption
-from ._retry import retry_transient
+from ._retry import is_transient, retry_transient
 from ._telemetry import observe_apply
 from ._types import AppliedRecord, OnCorrupt
 from ._waiters import Waiters
@@ -139,6 +139,10 @@ class Replica(Generic[S, Op]):
         # Set when the log may be trimmed (trim_history): loads a snapshot at a position at
         # least the one given into this replica; False if there is none to load.
         self.fall_forward: Callable[[int], Awaitable[bool]] | None = None
+        # Set with fall_forward: whether the log still holds its message at a position (the
+        # broker trims whole ledgers, so a reader moving to another ledger may have skipped
+        # some: see _trimmed_behind).
+        self.holds_message: Callable[[LogPosition], Awaitable[bool]] | None = None
         self._behind: tuple[Record, LogPosition] | None = None
         self._falling_forward = False  # loading a snapshot: no reads meanwhile, no stall
         # Set for a state that stores itself (``durable_state``): each record is committed.
@@ -321,6 +325,9 @@ class Replica(Generic[S, Op]):
             if batch is None:
                 return
             for message in batch:
+                if self._enters_ledger(message) and await self._trimmed_behind(message):
+                    await self._fall_forward_over_trim(message.position)
+                    break  # the reader was replaced: the rest of this batch is not ours
                 self.on_message(message)
                 if self.halt is not None:
                     return
@@ -466,6 +473,89 @@ class Replica(Generic[S, Op]):
             return
         self._advance_read(at)
 
+    def _enters_ledger(self, message: RawMessage) -> bool:
+        """Whether ``message`` is the first one read in another ledger than the last one
+        handled, on a log that may be trimmed."""
+        read_to = self.read_to
+        return (
+            self.holds_message is not None
+            and read_to is not None
+            and read_to.ledger >= 0  # (-1:-1: before the first message, e.g. an empty snapshot)
+            and message.position.ledger > read_to.ledger
+            and message.position > read_to
+            and self.halt is None
+        )
+
+    async def _trimmed_behind(self, message: RawMessage) -> bool:
+        """Whether the broker deleted the ledger of the last message handled (and with it
+        any message after it there) before this replica's reader moved on to ``message``.
+
+        The broker trims whole ledgers, oldest first, and a reader whose next message was
+        deleted goes on at the first one left. Whatever it skipped may hold the record
+        accepted at this replica's position; the first record left may then be one based on
+        the same position, stale for every replica that read the whole log, yet accepted
+        here. If that ledger is still there, nothing after the message in it was skipped."""
+        holds = self.holds_message
+        read_to = self.read_to
+        assert holds is not None
+        assert read_to is not None
+        self._falling_forward = True  # no reads meanwhile: not a stalled reader
+        try:
+            held = await self._until_answered(lambda: holds(read_to), read_to)
+        finally:
+            self._falling_forward = False
+        if not held:
+            logger.info(
+                "%s: message %s follows %s, which the log no longer holds (trimmed): falling "
+                "forward to a snapshot",
+                self._topic,
+                message.position,
+                read_to,
+            )
+        return not held
+
+    async def _until_answered(
+        self, ask: Callable[[], Awaitable[bool]], read_to: LogPosition
+    ) -> bool:
+        """``ask()``, asked again after each failure until it answers (the replica waits at
+        the ledger's edge meanwhile, as it would for a reader that fails): a check that
+        failed or took long is no reason to halt a replica that may be healthy. A permanent
+        error is raised (the pump halts with it); ClosedError once closed."""
+        while True:
+            if self._context.closed:
+                raise ClosedError(f"manager on {self._topic} is closed")
+            try:
+                return await ask()
+            except (PulsarStateError, TimeoutError) as exc:
+                if self._context.closed:
+                    raise ClosedError(f"manager on {self._topic} is closed") from exc
+                if not (is_transient(exc) or isinstance(exc, TimeoutError)):
+                    raise  # (refused, not failed: the pump halts with it, loudly)
+                logger.warning(
+                    "checking that %s still holds message %s failed (%s); asking again",
+                    self._topic,
+                    read_to,
+                    exc,
+                )
+            await asyncio.sleep(_REOPEN_PAUSE_S)
+
+    async def _fall_forward_over_trim(self, at: LogPosition) -> None:
+        read_to = self.read_to
+
+        def trimmed_away() -> PulsarStateError:
+            return ForkedHistoryError(
+                f"message {at} of {self._topic} follows message {read_to}, which the log no "
+                f"longer holds (trimmed away), and no snapshot at position {self.version} or "
+                "later checks out: this replica cannot tell which records it missed",
+                message_id=str(at),
+            )
+
+        self._falling_forward = True
+        try:
+            await self._fall_forward_to(self.version, trimmed_away)
+        finally:
+            self._falling_forward = False
+
     async def _fall_forward(self) -> None:
         assert self._behind is not None
         assert self.fall_forward is not None
@@ -481,22 +571,24 @@ class Replica(Generic[S, Op]):
         )
         self._falling_forward = True
         try:
-            await self._fall_forward_to(record, at)
+            await self._fall_forward_to(record.base_position, lambda: self._forked(record, at))
         finally:
             self._falling_forward = False
 
-    async def _fall_forward_to(self, record: Record, at: LogPosition) -> None:
+    async def _fall_forward_to(self, needed: int, unfound: Callable[[], PulsarStateError]) -> None:
+        """Load a snapshot at position ``needed`` or later; halt with ``unfound()`` if none
+        checks out."""
         behind_at = self.version
         fall_forward = self.fall_forward
         assert fall_forward is not None
         deadline = asyncio.get_running_loop().time() + self._context.settings.open_timeout_s
         loaded = await retry_transient(
-            lambda: fall_forward(record.base_position),
+            lambda: fall_forward(needed),
             deadline=deadline,
             what=f"loading a snapshot of {self._topic} to fall forward to",
         )
         if not loaded:
-            self.halt_with(self._forked(record, at))
+            self.halt_with(unfound())
             return
         self._stats.fell_forward += 1
         for hook in list(self.on_state_replaced):

@@ -9,9 +9,10 @@ and opening reads only the small index, the chosen snapshot's chunks, and the lo
 By default the state topic is never trimmed: the log stays the source of truth, so a missing
 or damaged snapshot falls back to an older one, or to a full replay. With ``trim_history``,
 after each snapshot it writes, a replica moves the library's durable subscription on the state
-topic (and on the chunk topic) to just before what the oldest of the ``keep_snapshots`` newest
-snapshots covers: the broker may then delete whole ledgers behind it, as retention allows. A
-replica still reading behind that point falls forward to a snapshot (``Replica``).
+topic (and on the chunk and index topics) to just before what the ``keep_snapshots`` newest
+snapshots need (the message each covers, its chunks, its manifest): the broker may then delete
+whole ledgers behind it, as retention allows. A replica still reading behind that point falls
+forward to a snapshot (``Replica``).
 """
 
 from __future__ import annotations
@@ -212,6 +213,8 @@ class SnapshotStore:
         self._timeout_s = timeout_s
         self._data_hold: TailProbe | None = None
         self._index_hold: TailProbe | None = None
+        # Where each manifest read by manifests() is on the index topic (by snapshot id).
+        self._index_at: dict[str, LogPosition] = {}
 
     async def hold(self, *, name: str) -> None:
         """Hold the side topics' messages with the library's durable subscription, as the
@@ -227,6 +230,17 @@ class SnapshotStore:
         if self._data_hold is not None:
             await self._data_hold.hold_after(position)
 
+    async def trim_index_before(self, kept: Iterable[SnapshotManifest]) -> None:
+        """Let the broker delete the index topic's ledgers wholly before the manifests of
+        ``kept`` (as read by :meth:`manifests`): the index would otherwise grow by one
+        manifest a snapshot for ever, and every open and every trim reads all of it."""
+        positions = [self._index_at.get(manifest.snapshot_id) for manifest in kept]
+        if self._index_hold is None or not positions or None in positions:
+            return
+        earliest = min(p for p in positions if p is not None)
+        if earliest.entry >= 1:  # (the end of the ledger before is unknown: the next trims)
+            await self._index_hold.hold_after(earliest._replace(entry=earliest.entry - 1))
+
     async def close(self) -> None:
         for hold in (self._data_hold, self._index_hold):
             if hold is not None:
@@ -234,7 +248,8 @@ class SnapshotStore:
         self._data_hold = self._index_hold = None
 
     async def manifests(self) -> list[SnapshotManifest]:
-        """Every complete snapshot's manifest, oldest first (the index is small)."""
+        """Every complete snapshot's manifest, oldest first (the index is small; with
+        ``trim_history`` it is trimmed behind the kept snapshots)."""
         status, _ = await self._admin.get(self.index_topic.rest_path + "/lastMessageId")
         if status == 404:
             return []
@@ -243,17 +258,21 @@ class SnapshotStore:
             return []
         reader = await ReopeningReader(self.conn, str(self.index_topic)).open()
         found: list[SnapshotManifest] = []
+        index_at: dict[str, LogPosition] = {}
         try:
             async with asyncio.timeout(self._timeout_s):
                 while True:
                     message = await reader.read_next()
                     try:
-                        found.append(
-                            decode_manifest(message.payload, message_id=str(message.position))
+                        manifest = decode_manifest(
+                            message.payload, message_id=str(message.position)
                         )
+                        found.append(manifest)
+                        index_at[manifest.snapshot_id] = message.position
                     except CorruptRecordError as exc:
                         logger.warning("ignoring a damaged snapshot manifest: %s", exc)
                     if message.position >= tail:
+                        self._index_at = index_at
                         return found
         except TimeoutError as exc:  # the library's own error, which callers handle
             raise OperationTimeoutError(
@@ -302,6 +321,10 @@ class SnapshotStore:
                 )
                 if snapshot_id != manifest.snapshot_id or count not in (0, manifest.chunks):
                     continue  # a chunk of an unfinished snapshot written in between
+                if index < due:
+                    # Sent again by the client (stored, but the acknowledgement was lost in a
+                    # reconnect): the same bytes as the one read already.
+                    continue
                 if index != due:
                     raise CorruptRecordError(
                         f"snapshot {snapshot_id}: chunk {index} where {due} was due",
@@ -668,6 +691,17 @@ class SnapshotPolicy(Generic[S]):
             load=True, at_least=needed, transient_raises=True, patient=True
         )
 
+    async def holds_message(self, at: LogPosition) -> bool:
+        """Whether the state topic still holds its message at ``at`` (not trimmed away),
+        asked when a message after it was read: only a message read at another position
+        proves it gone; none read in time is OperationTimeoutError."""
+        found = await self._store.log_message(at, patient=True)
+        if found is None:
+            raise OperationTimeoutError(
+                f"no message of {self._topic} read from {at} on, where one was read before"
+            )
+        return found[0] == at
+
     async def load_newest(
         self,
         *,
@@ -975,14 +1009,19 @@ class SnapshotPolicy(Generic[S]):
         first_chunk = min(LogPosition(m.first_chunk_ledger, m.first_chunk_entry) for m in kept)
         if first_chunk.entry >= 1:
             await self._store.trim_chunks_through(first_chunk._replace(entry=first_chunk.entry - 1))
-        if covered.entry < 1:
-            return None  # (the end of the ledger before is unknown: the next snapshot trims)
-        through = covered._replace(entry=covered.entry - 1)
-        await self._trim_log(through)
-        self._stats.history_trims += 1
-        logger.info(
-            "trimmed %s through %s (snapshot at position %d)", self._topic, through, oldest.position
-        )
+        through = None
+        # (At an entry 0, the end of the ledger before is unknown: the next snapshot trims.)
+        if covered.entry >= 1:
+            through = covered._replace(entry=covered.entry - 1)
+            await self._trim_log(through)
+            self._stats.history_trims += 1
+            logger.info(
+                "trimmed %s through %s (snapshot at position %d)",
+                self._topic,
+                through,
+                oldest.position,
+            )
+        await self._store.trim_index_before(kept)  # last: the log's trim matters more
         return through
 
     def _of_this_history(self, manifest: SnapshotManifest) -> bool:

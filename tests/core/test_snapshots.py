@@ -28,7 +28,7 @@ from pulsar_state import (
     SnapshotManifest,
     WriterBusyError,
 )
-from pulsar_state._envelope import encode_manifest
+from pulsar_state._envelope import encode_chunk, encode_manifest
 from pulsar_state._pulsar import ReopeningReader
 from tests.core.helpers import Counter, apply_counter, counter_manager, incr, raw_producer
 from tests.support.broker import REPO, Broker, admin_request
@@ -149,6 +149,39 @@ async def test_missing_chunks_fall_back_to_full_replay(
             assert replica.stats.snapshot_loaded_position == real.position  # the older one
             assert await replica.read(lambda s: s) == expected
     assert "chunks missing" in caplog.text
+
+
+async def test_a_chunk_stored_twice_is_read_once(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The client sends again what the broker stored but did not acknowledge (a reconnect),
+    # in order, from the first unacknowledged: a chunk can come twice, even after the next.
+    async with counter_manager(service_url, topic, admin_url, **json_state) as writer:
+        await write_increments(writer, 10, "a")
+        real = await writer.snapshot()
+        expected = await writer.read(lambda s: s, latest=True)
+        data = await writer._snapshots._store.load(real)
+    snapshot_id = uuid.uuid4().hex
+    parts = [data[: len(data) // 2], data[len(data) // 2 :]]
+    async with raw_producer(service_url, topic + "-snapshots") as producer:
+        first = await producer.send(encode_chunk(snapshot_id, 0, 2, parts[0]))
+        for index in (0, 1, 0, 1):
+            await producer.send(encode_chunk(snapshot_id, index, 2, parts[index]))
+    twice = dataclasses.replace(
+        real,
+        snapshot_id=snapshot_id,
+        chunks=2,
+        first_chunk_ledger=first.ledger_id(),
+        first_chunk_entry=first.entry_id(),
+        created_at=time.time(),
+    )
+    async with raw_producer(service_url, topic + "-snapshot-index") as producer:
+        await producer.send(encode_manifest(twice))
+    with caplog.at_level(logging.WARNING, logger="pulsar_state"):
+        async with counter_manager(service_url, topic, admin_url, **json_state) as replica:
+            assert replica.stats.snapshot_loaded_position == real.position
+            assert await replica.read(lambda s: s) == expected
+    assert "falling back" not in caplog.text
 
 
 async def test_replica_with_nondeterministic_apply_is_reported(

@@ -13,12 +13,15 @@ from typing import Any
 import pytest
 
 from pulsar_state import JsonCodec, PulsarStateError, SnapshotManifest, UnsafeTopicPolicyError
+from pulsar_state._envelope import Record, Write, encode_record
 from pulsar_state._pulsar import LogPosition, PulsarConnection, StateReader
+from pulsar_state._replica import Replica
 from pulsar_state._snapshots import SnapshotPolicy, SnapshotStore
-from tests.core.helpers import counter_manager, incr
+from tests.core.helpers import counter_manager, incr, raw_producer
 from tests.support.broker import admin_request
 from tests.support.trimming import (
     NO_RETENTION,
+    TRIM_WAIT_S,
     close_ledger_and_trim,
     ledgers,
     mark_delete,
@@ -302,3 +305,136 @@ async def test_snapshots_written_out_of_position_order_keep_their_chunks(
         assert LogPosition(older.first_chunk_ledger, older.first_chunk_entry) > newest_first_chunk
         assert trims
         assert all(point < newest_first_chunk for point in trims), (trims, newest_first_chunk)
+
+
+async def test_a_replica_behind_a_trimmed_ledger_ignores_the_stale_record_left_after_it(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A record based on exactly this replica's position is accepted, unless another record
+    # was accepted there first: then it is stale for every replica that read the whole log.
+    # If that other record was trimmed away meanwhile, a replica behind the trim sees the
+    # stale one first: it must fall forward to a snapshot, not apply it.
+    await set_policy(admin_url, topic, "retention", NO_RETENTION)
+    gate, held, applied = asyncio.Event(), [], []
+    real_open_reader = Replica.open_reader
+
+    async def open_reader(self: Replica[Any, Any], conn: PulsarConnection) -> None:
+        if self.read_to is not None and not held and self is not writer_replica:
+            held.append(self)  # the replica just loaded the first snapshot: wait here
+            self.listeners.append(lambda record: applied.append(record.record_id))
+            await gate.wait()
+        await real_open_reader(self, conn)
+
+    monkeypatch.setattr(Replica, "open_reader", open_reader)
+    async with trimming_manager(service_url, topic, admin_url) as writer:
+        writer_replica = writer._replica
+        await write_and_snapshot(writer, 5)
+        base_record_id = writer._replica.last_record_id
+        opening = asyncio.ensure_future(
+            trimming_manager(service_url, topic, admin_url).__aenter__()
+        )
+        for _ in range(600):
+            if held or opening.done():
+                break
+            await asyncio.sleep(0.05)
+        assert held, "the second replica never loaded the snapshot"
+        await writer.write(lambda s: [incr()])  # the record accepted at position 5
+        first_ledger = ledgers(admin_url, topic)[0]
+        await close_ledger_and_trim(admin_url, topic)
+        # A zombie that missed it appends a record built on position 5, in the next ledger.
+        stale = Record("zombie", 1, 5, base_record_id, [Write(1, [b'{"op":"incr","by":100}'])])
+        async with raw_producer(service_url, topic) as producer:
+            await producer.send(encode_record(stale), partition_key=stale.record_id)
+        # A snapshot covering a later message of that ledger moves the trim point past the
+        # first ledger (just before the covered message, which must stay).
+        await write_and_snapshot(writer, 1)
+        assert await writer.read(lambda s: s["count"], latest=True) == 7
+        deadline = time.monotonic() + TRIM_WAIT_S
+        while first_ledger in ledgers(admin_url, topic) and time.monotonic() < deadline:
+            await close_ledger_and_trim(admin_url, topic)
+            await asyncio.sleep(0.2)
+        assert first_ledger not in ledgers(admin_url, topic), "the broker kept the ledger"
+    gate.set()
+    replica = await opening
+    try:
+        assert replica.halted is None
+        assert await replica.read(lambda s: s["count"], latest=True) == 7
+        assert stale.record_id not in applied
+        assert replica.stats.fell_forward == 1
+    finally:
+        await replica.__aexit__(None, None, None)
+
+
+async def test_the_snapshot_index_is_trimmed_behind_the_kept_snapshots(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # One manifest a snapshot, for ever: every open and every trim reads the whole index.
+    index = f"{topic}-snapshot-index"
+    await set_policy(admin_url, topic, "retention", NO_RETENTION)
+    await set_policy(admin_url, index, "retention", NO_RETENTION)
+    async with trimming_manager(service_url, topic, admin_url) as writer:
+        await write_and_snapshot(writer, 3)
+        await write_and_snapshot(writer, 3)
+        first_ledger = ledgers(admin_url, index)[0]
+        await close_ledger_and_trim(admin_url, index)  # the next manifests go to a new ledger
+        await write_and_snapshot(writer, 3)
+        newest = await writer.snapshot()  # keep 1: the kept one is not its ledger's first
+        deadline = time.monotonic() + TRIM_WAIT_S
+        while first_ledger in ledgers(admin_url, index) and time.monotonic() < deadline:
+            # Trimmed again (as the next snapshot would): the unload above may have had the
+            # index's subscription reconnecting when the snapshot trimmed.
+            with contextlib.suppress(PulsarStateError):
+                await writer._snapshots.trim()
+            with contextlib.suppress(OSError):
+                admin_request(admin_url, "POST", rest_path(index) + "/trim")
+            await asyncio.sleep(0.2)
+        assert first_ledger not in ledgers(admin_url, index), "the index was not trimmed"
+    async with trimming_manager(service_url, topic, admin_url) as replica:
+        assert replica.stats.snapshot_loaded_position == newest.position
+        assert await replica.read(lambda s: s["count"], latest=True) == 9
+
+
+async def test_a_replica_that_loaded_the_empty_snapshot_reads_on(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A snapshot of the empty state covers no message (-1:-1): the first message read is in
+    # another ledger, but nothing can have been trimmed before it.
+    async with trimming_manager(service_url, topic, admin_url) as writer:
+        empty = await writer.snapshot()
+        assert empty.position == 0
+        await writer.write(lambda s: [incr()])
+        await writer.write(lambda s: [incr()])
+    async with trimming_manager(service_url, topic, admin_url, open_timeout_s=20) as replica:
+        assert replica.stats.snapshot_loaded_position == 0
+        assert await replica.read(lambda s: s["count"], latest=True) == 2
+        assert replica.stats.fell_forward == 0
+
+
+async def test_a_replica_whose_ledger_check_is_slow_asks_again_and_reads_on(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The check at a new ledger asks the broker (a reader, the admin API): both can be slow
+    # or fail just when ledgers change (an unload, a restart). The replica waits and asks
+    # again; it does not halt.
+    asked: list[LogPosition] = []
+    real_holds_message = SnapshotPolicy.holds_message
+
+    async def holds_message(self: SnapshotPolicy[Any], at: LogPosition) -> bool:
+        if self._replica is not writer._replica:
+            asked.append(at)
+            if len(asked) == 1:
+                await asyncio.sleep(6)  # past the replica's open_timeout_s
+                raise TimeoutError("no answer")
+        return await real_holds_message(self, at)
+
+    async with trimming_manager(service_url, topic, admin_url) as writer:
+        for _ in range(3):
+            await writer.write(lambda s: [incr()])
+        monkeypatch.setattr(SnapshotPolicy, "holds_message", holds_message)
+        async with trimming_manager(service_url, topic, admin_url, open_timeout_s=5) as replica:
+            await close_ledger_and_trim(admin_url, topic)  # the next records: a new ledger
+            for _ in range(3):
+                await writer.write(lambda s: [incr()])
+            assert await replica.read(lambda s: s["count"], latest=True) == 6
+            assert replica.halted is None
+            assert len(asked) >= 2
