@@ -282,6 +282,22 @@ class SnapshotStore:
         finally:
             await reader.close()
 
+    async def chunks_trimmed(self, manifest: SnapshotManifest) -> bool:
+        """Whether the snapshot's first chunk is gone because the chunk topic was trimmed
+        behind it (``trim_history``: the topic now begins after it), not lost or damaged."""
+        at = LogPosition(manifest.first_chunk_ledger, manifest.first_chunk_entry)
+        reader = await ReopeningReader(
+            self.conn, str(self.data_topic), at=at, prefetch=_CHUNK_PREFETCH
+        ).open()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                message = await reader.read_next()
+        except TimeoutError:
+            return False  # nothing there at all: not a trim, which keeps the newer chunks
+        finally:
+            await reader.close()
+        return message.position > at
+
     async def load(self, manifest: SnapshotManifest) -> bytes:
         """The snapshot's bytes, checked chunk by chunk and against its digest."""
         return b"".join([chunk async for chunk in self.load_chunks(manifest)])

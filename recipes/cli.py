@@ -1040,7 +1040,10 @@ def snapshot_take(settings: Settings) -> None:
 @click.argument("snapshot_id", required=False)
 @pass_settings
 def snapshot_verify(settings: Settings, snapshot_id: str | None) -> None:
-    """Read every snapshot (or SNAPSHOT_ID) and check its chunks and digest. Exit 3 if one fails."""
+    """Read every snapshot (or SNAPSHOT_ID) and check its chunks and digest. Exit 3 if one fails.
+
+    A snapshot whose chunks were deleted behind newer ones (``trim_history``) is "trimmed",
+    not failed: the index keeps its manifest until the index's own ledger is trimmed."""
 
     async def work(store: Any) -> list[dict[str, Any]]:
         manifests = await store.manifests()
@@ -1052,10 +1055,18 @@ def snapshot_verify(settings: Settings, snapshot_id: str | None) -> None:
         for manifest in manifests:
             try:
                 await store.load(manifest)
-                problem = None
+                problem, status = None, "ok"
             except PulsarStateError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
-            results.append({**_manifest_json(manifest), "ok": problem is None, "error": problem})
+                status = "trimmed" if await store.chunks_trimmed(manifest) else "failed"
+            results.append(
+                {
+                    **_manifest_json(manifest),
+                    "ok": problem is None,
+                    "status": status,
+                    "error": problem,
+                }
+            )
         return results
 
     results = _run(settings, lambda: _with_snapshots(settings, work))
@@ -1063,9 +1074,12 @@ def snapshot_verify(settings: Settings, snapshot_id: str | None) -> None:
         if settings.json:
             _emit(_dumps(result))
         else:
-            verdict = "ok" if result["ok"] else f"FAIL {result['error']}"
+            verdict = {
+                "ok": "ok",
+                "trimmed": "trimmed (its chunks were deleted behind newer snapshots)",
+            }.get(result["status"], f"FAIL {result['error']}")
             _emit(f"{result['snapshot_id']}\tposition {result['position']}\t{verdict}")
-    failed = sum(not result["ok"] for result in results)
+    failed = sum(result["status"] == "failed" for result in results)
     if failed:
         _fail(f"{failed} of {len(results)} snapshots failed verification", EXIT_FAILED)
 

@@ -3,7 +3,10 @@ subprocess) against the real broker: exit codes, stdout JSON, one-line errors on
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import dataclasses
 import json
 import os
 import pty
@@ -16,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import JsonCodec
-from pulsar_state._envelope import Record, Write, encode_record
+from pulsar_state import JsonCodec, PulsarStateError
+from pulsar_state._envelope import Record, Write, encode_manifest, encode_record
 from pulsar_state.testing import Broker, admin_request
 from tests.core.helpers import counter_manager, incr, raw_producer
 
@@ -566,3 +569,44 @@ async def test_log_of_a_topic_whose_beginning_was_trimmed(broker: Broker, topic:
     positions = [r["position"] for r in raw]
     assert positions == list(range(positions[0], positions[0] + len(raw)))
     assert positions[-1] == 40
+
+
+async def test_snapshot_verify_tells_a_trimmed_snapshot_from_a_damaged_one(
+    broker: Broker, topic: str
+) -> None:
+    from tests.core.test_trimming import trimming_manager, write_and_snapshot
+    from tests.support.trimming import NO_RETENTION, TRIM_WAIT_S, ledgers, rest_path, set_policy
+
+    chunks = f"{topic}-snapshots"
+    await set_policy(broker.admin_url, topic, "retention", NO_RETENTION)
+    await set_policy(broker.admin_url, chunks, "retention", NO_RETENTION)
+    async with trimming_manager(broker.service_url, topic, broker.admin_url) as writer:
+        await write_and_snapshot(writer, 3)
+        first_ledger = ledgers(broker.admin_url, chunks)[0]
+        admin_request(broker.admin_url, "PUT", rest_path(chunks) + "/unload")  # a new ledger
+        await write_and_snapshot(writer, 3)
+        newest = await writer.snapshot()  # keep 1: its chunk is not its ledger's first
+        deadline = time.monotonic() + TRIM_WAIT_S
+        while first_ledger in ledgers(broker.admin_url, chunks) and time.monotonic() < deadline:
+            with contextlib.suppress(PulsarStateError):
+                await writer._snapshots.trim()  # again: the unload may have raced the first
+            with contextlib.suppress(OSError):
+                admin_request(broker.admin_url, "POST", rest_path(chunks) + "/trim")
+            await asyncio.sleep(0.2)
+        assert first_ledger not in ledgers(broker.admin_url, chunks)
+    results = [
+        json.loads(line)
+        for line in ok(pulsar_state(broker, topic, "-o", "json", "snapshot", "verify")).splitlines()
+    ]
+    assert [r["status"] for r in results] == ["trimmed", "ok", "ok"]
+    assert results[-1]["snapshot_id"] == newest.snapshot_id
+    text = ok(pulsar_state(broker, topic, "snapshot", "verify"))
+    assert "trimmed" in text.splitlines()[0]
+    # A damaged one still fails: a manifest whose chunks are not where it says.
+    forged = dataclasses.replace(newest, snapshot_id="e" * 32)
+    async with raw_producer(broker.service_url, f"{topic}-snapshot-index") as producer:
+        await producer.send(encode_manifest(forged))
+    result = pulsar_state(broker, topic, "snapshot", "verify")
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "\tFAIL CorruptRecordError" in result.stdout.splitlines()[-1]
+    assert "1 of 4 snapshots failed" in result.stderr
