@@ -25,6 +25,7 @@ from ._codecs import Codec
 from ._context import Context
 from ._credentials import warn_if_rest_blind
 from ._durable import DurableState, LogMark
+from ._envelope import SnapshotManifest
 from ._errors import ClosedError, ConfigurationError
 from ._machine import StateMachine
 from ._pending import PendingWrites
@@ -194,6 +195,7 @@ class Assembly(Generic[S, Op]):
             self.snapshots = await self._start_snapshots(
                 options.snapshot_codec, deadline, load=load
             )
+            self.snapshots.on_load_progress = None  # opened: a later load is logged only
             if options.trim_history:
                 replica.fall_forward = self.snapshots.fall_forward
                 replica.holds_message = self.snapshots.holds_message
@@ -371,9 +373,30 @@ class Assembly(Generic[S, Op]):
                 trim_log=self._tail.trim_through if options.trim_history else None,
                 keep_snapshots=options.keep_snapshots,
                 durable=options.durable_state,
+                on_load_progress=self._snapshot_progress,
             ),
             deadline=deadline,
             what="loading a snapshot",
+        )
+
+    def _snapshot_progress(self, manifest: SnapshotManifest, loaded: int, elapsed: float) -> None:
+        """A snapshot being loaded while opening, as ``on_progress`` is told."""
+        on_progress = self._options.on_progress
+        if on_progress is None:
+            return
+        on_progress(
+            ReplayProgress(
+                records_read=0,
+                bytes_read=0,
+                records_total=None,
+                bytes_total=None,
+                elapsed_s=elapsed,
+                done=False,
+                snapshot_position=manifest.position,
+                snapshot_bytes=manifest.size,
+                loading_snapshot=True,
+                snapshot_bytes_loaded=loaded,
+            )
         )
 
     async def close(self, timeout: float) -> None:

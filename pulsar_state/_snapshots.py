@@ -185,6 +185,8 @@ logger = logging.getLogger(__name__)
 
 # How long the log is asked for a message the admin tail says is not there.
 _ABSENT_CHECK_S = 2.0
+# How often a snapshot being loaded reports its progress (INFO, and on_progress while opening).
+_LOAD_REPORT_EVERY_S = 2.0
 # The second look of a fall-forward: long enough for a topic being loaded again, short enough
 # that several checks fit in the fall-forward's own deadline (open_timeout_s).
 _PATIENT_CHECK_S = 15.0
@@ -298,14 +300,19 @@ class SnapshotStore:
             await reader.close()
         return message.position > at
 
-    async def load(self, manifest: SnapshotManifest) -> bytes:
+    async def load(
+        self, manifest: SnapshotManifest, *, progress: Callable[[int], None] | None = None
+    ) -> bytes:
         """The snapshot's bytes, checked chunk by chunk and against its digest."""
-        return b"".join([chunk async for chunk in self.load_chunks(manifest)])
+        return b"".join([chunk async for chunk in self.load_chunks(manifest, progress=progress)])
 
-    async def load_chunks(self, manifest: SnapshotManifest) -> AsyncGenerator[bytes, None]:
+    async def load_chunks(
+        self, manifest: SnapshotManifest, *, progress: Callable[[int], None] | None = None
+    ) -> AsyncGenerator[bytes, None]:
         """The snapshot's chunks in order as they are read, each checked; after the last
         one, the whole is checked against the digest: CorruptRecordError then (the caller
-        must not have kept anything of it), as for a chunk missing or out of order."""
+        must not have kept anything of it), as for a chunk missing or out of order.
+        ``progress``: called with the bytes read so far after each chunk."""
         at = LogPosition(manifest.first_chunk_ledger, manifest.first_chunk_entry)
         missing = CorruptRecordError(
             f"snapshot {manifest.snapshot_id}: chunks missing from {self.data_topic}",
@@ -349,6 +356,8 @@ class SnapshotStore:
                 digest.update(data)
                 size += len(data)
                 due += 1
+                if progress is not None:
+                    progress(size)
                 if due == manifest.chunks and (
                     size != manifest.size or digest.hexdigest() != manifest.digest
                 ):
@@ -658,6 +667,8 @@ class SnapshotPolicy(Generic[S]):
         self._checking: asyncio.Task[None] | None = None
         # Snapshots being taken (automatic or by hand): each a future done when it ends.
         self._takes: set[asyncio.Future[None]] = set()
+        # Told (manifest, bytes read, seconds) every few seconds while a snapshot loads.
+        self.on_load_progress: Callable[[SnapshotManifest, int, float], None] | None = None
 
     @classmethod
     async def start(
@@ -672,12 +683,14 @@ class SnapshotPolicy(Generic[S]):
         trim_log: Callable[[LogPosition], Awaitable[None]] | None = None,
         keep_snapshots: int = 2,
         durable: DurableState[S] | None = None,
+        on_load_progress: Callable[[SnapshotManifest, int, float], None] | None = None,
     ) -> SnapshotPolicy[S]:
         """The policy of a replica about to start: loads the newest good snapshot into it
         (unless ``load`` is False) and registers the determinism check as its hook.
         ``trim_log``: trim the history behind the ``keep_snapshots`` newest snapshots.
         ``durable``: a snapshot is loaded by storing it there (not by decoding it)."""
         policy = cls(context, store, codec, replica, copy_state, trim_log, keep_snapshots, durable)
+        policy.on_load_progress = on_load_progress
         hooks = list(replica.after_apply)
         replica.after_apply.append(policy.check_determinism)
         try:
@@ -758,7 +771,7 @@ class SnapshotPolicy(Generic[S]):
                         self._storing = False
                         raise
                 else:
-                    data = await self._store.load(manifest)
+                    data = await self._store.load(manifest, progress=self._reporter(manifest))
                     state = await asyncio.to_thread(_decoded, self._codec, data)
             except (PulsarStateError, TimeoutError) as exc:
                 if transient_raises and is_transient(exc):
@@ -797,6 +810,36 @@ class SnapshotPolicy(Generic[S]):
             logger.warning("no usable snapshot of %s: replaying the whole log", self._topic)
         return False
 
+    def _reporter(self, manifest: SnapshotManifest) -> Callable[[int], None]:
+        """A ``progress`` for loading ``manifest``: a line at INFO (and ``on_load_progress``)
+        every :data:`_LOAD_REPORT_EVERY_S`, as a long replay reports."""
+        started = time.monotonic()
+        due = started + _LOAD_REPORT_EVERY_S
+
+        def report(loaded: int) -> None:
+            nonlocal due
+            now = time.monotonic()
+            if now < due:
+                return
+            due = now + _LOAD_REPORT_EVERY_S
+            logger.info(
+                "loading snapshot %s of %s (position %d): %.1f/%.1f MB, %.0fs",
+                manifest.snapshot_id,
+                self._topic,
+                manifest.position,
+                loaded / 1e6,
+                manifest.size / 1e6,
+                now - started,
+            )
+            hook = self.on_load_progress
+            if hook is not None:
+                try:
+                    hook(manifest, loaded, now - started)
+                except Exception:
+                    logger.exception("on_progress callback raised")
+
+        return report
+
     async def _store_streamed(
         self, durable: DurableState[S], manifest: SnapshotManifest, mark: LogMark
     ) -> S:
@@ -834,7 +877,9 @@ class SnapshotPolicy(Generic[S]):
         )
         storing.add_done_callback(lambda _: taken.set())
         try:
-            async with contextlib.aclosing(self._store.load_chunks(manifest)) as loading:
+            async with contextlib.aclosing(
+                self._store.load_chunks(manifest, progress=self._reporter(manifest))
+            ) as loading:
                 async for chunk in loading:
                     # Bounded: a state slower than the broker does not have the whole
                     # snapshot piled up in memory ahead of it.

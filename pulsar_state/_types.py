@@ -61,7 +61,9 @@ class AppliedRecord(Generic[Op]):
 
 @dataclass(frozen=True, slots=True)
 class ReplayProgress:
-    """Progress of the bootstrap replay (``on_progress`` callback and INFO logs)."""
+    """Progress of opening (``on_progress`` callback and INFO logs): loading a snapshot
+    (``loading_snapshot``, every few seconds of a long load: ``snapshot_bytes_loaded`` of
+    ``snapshot_bytes``), then replaying the log after it."""
 
     records_read: int
     bytes_read: int
@@ -71,6 +73,8 @@ class ReplayProgress:
     done: bool
     snapshot_position: int | None = None  # the snapshot the replay started from, if any
     snapshot_bytes: int = 0
+    loading_snapshot: bool = False  # still loading it: no record replayed yet
+    snapshot_bytes_loaded: int = 0
 
 
 # Upper bounds, in seconds, of the latency histograms' buckets (Prometheus' defaults, plus

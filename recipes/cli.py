@@ -220,34 +220,52 @@ class Settings:
 
 
 class _ReplayBar:
-    """A long replay's progress bar on stderr (rich), only for a person watching (a TTY):
-    records read of the records to read (from a snapshot: of the log after it), and the
-    time left."""
+    """A long open's progress bar on stderr (rich), only for a person watching (a TTY):
+    the snapshot's megabytes loaded, then the records read of the records to read (from a
+    snapshot: of the log after it), and the time left."""
 
     def __init__(self) -> None:
         self._bar: rich.progress.Progress | None = None
         self._task: rich.progress.TaskID | None = None
+        self._phase = ""
+
+    def _start(self, phase: str, unit: str, total: int | None) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        self._phase = phase
+        self._bar = rich.progress.Progress(
+            rich.progress.TextColumn(phase),
+            rich.progress.BarColumn(),
+            rich.progress.MofNCompleteColumn(),
+            rich.progress.TextColumn(unit),
+            rich.progress.TimeRemainingColumn(),
+            console=rich.console.Console(stderr=True),
+            transient=True,
+        )
+        self._bar.start()
+        self._task = self._bar.add_task(phase, total=total)
 
     def __call__(self, progress: ReplayProgress) -> None:
         if not sys.stderr.isatty():
             return
-        if self._bar is None:
-            self._bar = rich.progress.Progress(
-                rich.progress.TextColumn("replaying"),
-                rich.progress.BarColumn(),
-                rich.progress.MofNCompleteColumn(),
-                rich.progress.TextColumn("records"),
-                rich.progress.TimeRemainingColumn(),
-                console=rich.console.Console(stderr=True),
-                transient=True,
-            )
-            self._bar.start()
-            self._task = self._bar.add_task("replay", total=progress.records_total)
+        if progress.loading_snapshot:
+            total_mb = progress.snapshot_bytes // 1_000_000
+            if self._phase != "loading snapshot":
+                self._start("loading snapshot", "MB", total_mb)
+            completed = progress.snapshot_bytes_loaded // 1_000_000
+            assert self._bar is not None
+            assert self._task is not None
+            self._bar.update(self._task, completed=completed, total=total_mb)
+            return
+        if self._phase != "replaying":
+            self._start("replaying", "records", progress.records_total)
+        assert self._bar is not None
         assert self._task is not None
         self._bar.update(self._task, completed=progress.records_read, total=progress.records_total)
         if progress.done:
             self._bar.stop()
             self._bar = None
+            self._phase = ""
             click.echo(f"replayed {progress.records_read} records", err=True)
 
 

@@ -27,6 +27,7 @@ from pulsar_state import (
     SharedStateManager,
     SnapshotManifest,
     WriterBusyError,
+    _snapshots,
 )
 from pulsar_state._envelope import encode_chunk, encode_manifest
 from pulsar_state._pulsar import ReopeningReader
@@ -606,3 +607,46 @@ async def test_a_snapshot_codec_raising_its_own_error_falls_back_to_an_older_sna
     async with counter_manager(service_url, topic, admin_url, snapshot_codec=Picky()) as m:
         assert m.stats.snapshot_loaded_position == older.position
         assert await m.read(lambda s: s) == expected
+
+
+async def test_a_snapshot_being_loaded_reports_its_progress(
+    service_url: str,
+    admin_url: str,
+    topic: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A snapshot of gigabytes takes minutes to load: opening says how far it is, as a long
+    # replay does (here after every chunk instead of every 2 s).
+    monkeypatch.setattr(_snapshots, "_LOAD_REPORT_EVERY_S", 0.0)
+
+    def put(state: dict[str, str], op: dict[str, str]) -> None:
+        state[op["k"]] = op["v"]
+
+    options: dict[str, Any] = {
+        "initial_state": dict,
+        "apply": put,
+        "snapshot_chunk_bytes": 1024,
+        **json_state,
+    }
+    async with counter_manager(service_url, topic, admin_url, **options) as writer:
+        await writer.write(lambda s: [{"k": f"key-{i}", "v": "x" * 100} for i in range(50)])
+        manifest = await writer.snapshot()
+    assert manifest.chunks > 3
+    seen: list[ReplayProgress] = []
+    with caplog.at_level(logging.INFO, logger="pulsar_state"):
+        async with counter_manager(
+            service_url, topic, admin_url, on_progress=seen.append, **options
+        ) as replica:
+            assert replica.stats.snapshot_loaded_position == manifest.position
+    loading = [p for p in seen if p.loading_snapshot]
+    loaded = [p.snapshot_bytes_loaded for p in loading]
+    assert len(loaded) == manifest.chunks
+    assert loaded == sorted(loaded)
+    assert loaded[-1] == manifest.size
+    assert {(p.snapshot_position, p.snapshot_bytes, p.done) for p in loading} == {
+        (manifest.position, manifest.size, False)
+    }
+    assert seen[-1].done
+    assert not seen[-1].loading_snapshot
+    assert f"loading snapshot {manifest.snapshot_id}" in caplog.text

@@ -26,7 +26,9 @@ class Chunks:
         self.parts, self.error, self.pause = parts, error, pause
         self.closed = False
 
-    async def load_chunks(self, _manifest: Any) -> AsyncGenerator[bytes, None]:
+    async def load_chunks(
+        self, _manifest: Any, *, progress: Any = None
+    ) -> AsyncGenerator[bytes, None]:
         try:
             for part in self.parts:
                 await asyncio.sleep(self.pause)
@@ -146,9 +148,9 @@ async def test_chunks_are_read_ahead_of_a_slow_state_only_so_far(
     yielded = 0
     real = source.load_chunks
 
-    async def counting(manifest: Any) -> AsyncGenerator[bytes, None]:
+    async def counting(manifest: Any, *, progress: Any = None) -> AsyncGenerator[bytes, None]:
         nonlocal yielded
-        async for part in real(manifest):
+        async for part in real(manifest, progress=progress):
             yielded += 1
             yield part
 
