@@ -142,7 +142,9 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             below the broker's 5 MB message limit).
         max_writes_per_record: group-commit at most this many writes into one message.
         max_writes_per_batch: at most this many writes per pipelined batch.
-        on_progress: called with :class:`ReplayProgress` during the bootstrap replay.
+        on_progress: called with :class:`ReplayProgress` while opening: every 2 s of a
+            snapshot's load (``loading_snapshot``: ``snapshot_bytes_loaded``; no record
+            counts yet), then every 2 s of the replay after it, and once done.
         snapshot_codec: encodes the whole state to bytes and back; enables snapshots
             (``snapshot()``, automatic policies, and opening from the newest good snapshot).
             It must be deterministic (same state, same bytes): digests are compared. A

@@ -326,6 +326,8 @@ class Replica(Generic[S, Op]):
                 return
             for message in batch:
                 if self._enters_ledger(message) and await self._trimmed_behind(message):
+                    if self.halt is not None:
+                        return  # halted meanwhile (by the writer): stays where it is
                     await self._fall_forward_over_trim(message.position)
                     break  # the reader was replaced: the rest of this batch is not ours
                 self.on_message(message)
@@ -521,6 +523,7 @@ class Replica(Generic[S, Op]):
         the ledger's edge meanwhile, as it would for a reader that fails): a check that
         failed or took long is no reason to halt a replica that may be healthy. A permanent
         error is raised (the pump halts with it); ClosedError once closed."""
+        pause = _REOPEN_PAUSE_S
         while True:
             if self._context.closed:
                 raise ClosedError(f"manager on {self._topic} is closed")
@@ -532,12 +535,14 @@ class Replica(Generic[S, Op]):
                 if not (is_transient(exc) or isinstance(exc, TimeoutError)):
                     raise  # (refused, not failed: the pump halts with it, loudly)
                 logger.warning(
-                    "checking that %s still holds message %s failed (%s); asking again",
+                    "checking that %s still holds message %s failed (%s); asking again in %.1fs",
                     self._topic,
                     read_to,
                     exc,
+                    pause,
                 )
-            await asyncio.sleep(_REOPEN_PAUSE_S)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _WATCH_S)
 
     async def _fall_forward_over_trim(self, at: LogPosition) -> None:
         read_to = self.read_to
@@ -578,6 +583,8 @@ class Replica(Generic[S, Op]):
     async def _fall_forward_to(self, needed: int, unfound: Callable[[], PulsarStateError]) -> None:
         """Load a snapshot at position ``needed`` or later; halt with ``unfound()`` if none
         checks out."""
+        if self.halt is not None or self._context.closed:
+            return  # a halted replica stays at its last good state
         behind_at = self.version
         fall_forward = self.fall_forward
         assert fall_forward is not None

@@ -215,8 +215,9 @@ class SnapshotStore:
         self._timeout_s = timeout_s
         self._data_hold: TailProbe | None = None
         self._index_hold: TailProbe | None = None
-        # Where each manifest read by manifests() is on the index topic (by snapshot id).
-        self._index_at: dict[str, LogPosition] = {}
+        # Where each manifest read by manifests() is on the index topic (by snapshot id), and
+        # the index message just before it (None: the first one read).
+        self._index_at: dict[str, tuple[LogPosition, LogPosition | None]] = {}
 
     async def hold(self, *, name: str) -> None:
         """Hold the side topics' messages with the library's durable subscription, as the
@@ -236,12 +237,14 @@ class SnapshotStore:
         """Let the broker delete the index topic's ledgers wholly before the manifests of
         ``kept`` (as read by :meth:`manifests`): the index would otherwise grow by one
         manifest a snapshot for ever, and every open and every trim reads all of it."""
-        positions = [self._index_at.get(manifest.snapshot_id) for manifest in kept]
-        if self._index_hold is None or not positions or None in positions:
+        found = [self._index_at.get(manifest.snapshot_id) for manifest in kept]
+        if self._index_hold is None or not found or None in found:
             return
-        earliest = min(p for p in positions if p is not None)
-        if earliest.entry >= 1:  # (the end of the ledger before is unknown: the next trims)
-            await self._index_hold.hold_after(earliest._replace(entry=earliest.entry - 1))
+        # Through the message just before the earliest kept manifest: at an entry 0, that is
+        # the previous ledger's last one.
+        _, before = min(at for at in found if at is not None)
+        if before is not None:
+            await self._index_hold.hold_after(before)
 
     async def close(self) -> None:
         for hold in (self._data_hold, self._index_hold):
@@ -260,19 +263,26 @@ class SnapshotStore:
             return []
         reader = await ReopeningReader(self.conn, str(self.index_topic)).open()
         found: list[SnapshotManifest] = []
-        index_at: dict[str, LogPosition] = {}
+        index_at: dict[str, tuple[LogPosition, LogPosition | None]] = {}
+        previous: LogPosition | None = None
+        seen: set[SnapshotManifest] = set()
         try:
             async with asyncio.timeout(self._timeout_s):
                 while True:
                     message = await reader.read_next()
+                    if previous is not None and message.position <= previous:
+                        continue  # read again (a reader reopened): already counted
                     try:
                         manifest = decode_manifest(
                             message.payload, message_id=str(message.position)
                         )
-                        found.append(manifest)
-                        index_at[manifest.snapshot_id] = message.position
+                        if manifest not in seen:  # (the same one stored twice: a resend)
+                            seen.add(manifest)
+                            found.append(manifest)
+                            index_at.setdefault(manifest.snapshot_id, (message.position, previous))
                     except CorruptRecordError as exc:
                         logger.warning("ignoring a damaged snapshot manifest: %s", exc)
+                    previous = message.position
                     if message.position >= tail:
                         self._index_at = index_at
                         return found
@@ -400,6 +410,22 @@ class SnapshotStore:
             await reader.close()
         message_id = str(message.position)
         return message.position, message_fingerprint(message.payload, message_id=message_id)
+
+    async def first_position_from(self, at: LogPosition) -> LogPosition:
+        """The position of the state topic's first message at or after ``at`` (later if
+        ``at`` was trimmed away), by a reader alone; OperationTimeoutError if none comes in
+        time (a caller that knows one is there asks again)."""
+        reader = await ReopeningReader(self.conn, str(self.state_topic), at=at, prefetch=1).open()
+        try:
+            async with asyncio.timeout(min(self._timeout_s, _PATIENT_CHECK_S)):
+                message = await reader.read_next()
+        except TimeoutError as exc:
+            raise OperationTimeoutError(
+                f"no message of {self.state_topic} came from {at} on"
+            ) from exc
+        finally:
+            await reader.close()
+        return message.position
 
     async def incarnation_mismatch(
         self, manifest: SnapshotManifest, *, patient: bool = False
@@ -723,13 +749,8 @@ class SnapshotPolicy(Generic[S]):
     async def holds_message(self, at: LogPosition) -> bool:
         """Whether the state topic still holds its message at ``at`` (not trimmed away),
         asked when a message after it was read: only a message read at another position
-        proves it gone; none read in time is OperationTimeoutError."""
-        found = await self._store.log_message(at, patient=True)
-        if found is None:
-            raise OperationTimeoutError(
-                f"no message of {self._topic} read from {at} on, where one was read before"
-            )
-        return found[0] == at
+        proves it gone. A reader alone (no admin request: the data path's own access)."""
+        return await self._store.first_position_from(at) == at
 
     async def load_newest(
         self,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import datetime
 import json
 import logging
@@ -28,7 +29,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 try:
     import click
@@ -224,10 +225,21 @@ class _ReplayBar:
     the snapshot's megabytes loaded, then the records read of the records to read (from a
     snapshot: of the log after it), and the time left."""
 
+    # Bars on screen: main() stops them, so that an open that failed leaves no bar behind
+    # (a hidden cursor, output still routed through rich).
+    showing: ClassVar[set[_ReplayBar]] = set()
+
     def __init__(self) -> None:
         self._bar: rich.progress.Progress | None = None
         self._task: rich.progress.TaskID | None = None
         self._phase = ""
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        self._phase = ""
+        _ReplayBar.showing.discard(self)
 
     def _start(self, phase: str, unit: str, total: int | None) -> None:
         if self._bar is not None:
@@ -243,6 +255,7 @@ class _ReplayBar:
             transient=True,
         )
         self._bar.start()
+        _ReplayBar.showing.add(self)
         self._task = self._bar.add_task(phase, total=total)
 
     def __call__(self, progress: ReplayProgress) -> None:
@@ -263,9 +276,7 @@ class _ReplayBar:
         assert self._task is not None
         self._bar.update(self._task, completed=progress.records_read, total=progress.records_total)
         if progress.done:
-            self._bar.stop()
-            self._bar = None
-            self._phase = ""
+            self.stop()
             click.echo(f"replayed {progress.records_read} records", err=True)
 
 
@@ -805,6 +816,12 @@ def log(settings: Settings, ops: str, limit: int | None) -> None:
             record = decode_record(message.payload, message_id=message.message_id)
             if first and record.base_position > 0:
                 accepted, last_id = record.base_position, record.base_record_id  # trimmed
+                _echo(
+                    f"pulsar-state: the log's beginning was trimmed (its first record is built "
+                    f"on position {accepted}): that record is taken as accepted, and the "
+                    "verdicts follow from it",
+                    err=True,
+                )
             first = False
             # The same rules every replica applies (see pulsar_state._replica).
             if record.base_position < accepted:
@@ -911,7 +928,14 @@ def status(settings: Settings) -> None:
     else:
         for name, value in report.items():
             _emit(f"{name}: {value if value is not None else '-'}")
-    if report["policies"] != "ok":
+    policies = report["policies"]
+    if policies.startswith("not checked"):
+        # A produce+consume role may not read policies (HTTP 403): nothing was found unsafe.
+        _echo(
+            f"pulsar-state: policies {policies}; `pulsar-state doctor` as an admin checks them",
+            err=True,
+        )
+    elif policies != "ok":
         sys.exit(EXIT_UNSAFE)
 
 
@@ -1061,7 +1085,8 @@ def snapshot_verify(settings: Settings, snapshot_id: str | None) -> None:
     """Read every snapshot (or SNAPSHOT_ID) and check its chunks and digest. Exit 3 if one fails.
 
     A snapshot whose chunks were deleted behind newer ones (``trim_history``) is "trimmed",
-    not failed: the index keeps its manifest until the index's own ledger is trimmed."""
+    not failed, when a newer one checks out: the index keeps its manifest until the index's
+    own ledger is trimmed."""
 
     async def work(store: Any) -> list[dict[str, Any]]:
         manifests = await store.manifests()
@@ -1073,18 +1098,28 @@ def snapshot_verify(settings: Settings, snapshot_id: str | None) -> None:
         for manifest in manifests:
             try:
                 await store.load(manifest)
-                problem, status = None, "ok"
+                problem = None
             except PulsarStateError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
-                status = "trimmed" if await store.chunks_trimmed(manifest) else "failed"
             results.append(
                 {
                     **_manifest_json(manifest),
                     "ok": problem is None,
-                    "status": status,
+                    "status": "ok" if problem is None else "failed",
                     "error": problem,
                 }
             )
+        # Trimmed, not failed: its first chunk is gone because the chunk topic now begins
+        # after it, and a newer snapshot checked out (trim_history keeps the newest ones).
+        for manifest, result in zip(manifests, results, strict=True):
+            newer_ok = any(
+                other["ok"] and other["position"] >= manifest.position for other in results
+            )
+            if result["ok"] or not newer_ok:
+                continue
+            with contextlib.suppress(PulsarStateError):
+                if await store.chunks_trimmed(manifest):
+                    result["status"] = "trimmed"
         return results
 
     results = _run(settings, lambda: _with_snapshots(settings, work))
@@ -1118,6 +1153,8 @@ def main() -> NoReturn:
     except Exception as exc:  # a bug of ours: still one line and an exit code, no traceback
         _echo(f"pulsar-state: internal error: {type(exc).__name__}: {exc}", err=True)
         code = EXIT_FAILED
+    for bar in list(_ReplayBar.showing):
+        bar.stop()
     # Everything is closed by now. The Pulsar C++ client can still abort (SIGABRT,
     # "terminate called without an active exception") while the interpreter tears its threads
     # down, about once in 30 runs here: that would replace the exit code scripts test. So

@@ -650,3 +650,18 @@ async def test_a_snapshot_being_loaded_reports_its_progress(
     assert seen[-1].done
     assert not seen[-1].loading_snapshot
     assert f"loading snapshot {manifest.snapshot_id}" in caplog.text
+
+
+async def test_a_manifest_stored_twice_is_listed_once(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Sent again by the client after a reconnect: counted twice, keep_snapshots=2 would keep
+    # one snapshot, and trim the log and the index behind it.
+    async with counter_manager(service_url, topic, admin_url, **json_state) as writer:
+        await write_increments(writer, 3, "a")
+        manifest = await writer.snapshot()
+    async with raw_producer(service_url, topic + "-snapshot-index") as producer:
+        await producer.send(encode_manifest(manifest))
+    async with counter_manager(service_url, topic, admin_url, **json_state) as replica:
+        listed = await replica._snapshots._store.manifests()
+        assert [m.snapshot_id for m in listed] == [manifest.snapshot_id]

@@ -12,7 +12,14 @@ from typing import Any
 
 import pytest
 
-from pulsar_state import JsonCodec, PulsarStateError, SnapshotManifest, UnsafeTopicPolicyError
+from pulsar_state import (
+    BrokerUnavailableError,
+    JsonCodec,
+    PulsarStateError,
+    SnapshotManifest,
+    UnsafeTopicPolicyError,
+)
+from pulsar_state._admin import AdminClient
 from pulsar_state._envelope import Record, Write, encode_record
 from pulsar_state._pulsar import LogPosition, PulsarConnection, StateReader
 from pulsar_state._replica import Replica
@@ -377,8 +384,8 @@ async def test_the_snapshot_index_is_trimmed_behind_the_kept_snapshots(
         await write_and_snapshot(writer, 3)
         first_ledger = ledgers(admin_url, index)[0]
         await close_ledger_and_trim(admin_url, index)  # the next manifests go to a new ledger
-        await write_and_snapshot(writer, 3)
-        newest = await writer.snapshot()  # keep 1: the kept one is not its ledger's first
+        await write_and_snapshot(writer, 3)  # keep 1: the kept one is its ledger's first
+        newest = (await writer._snapshots._store.manifests())[-1]
         deadline = time.monotonic() + TRIM_WAIT_S
         while first_ledger in ledgers(admin_url, index) and time.monotonic() < deadline:
             # Trimmed again (as the next snapshot would): the unload above may have had the
@@ -438,3 +445,68 @@ async def test_a_replica_whose_ledger_check_is_slow_asks_again_and_reads_on(
             assert await replica.read(lambda s: s["count"], latest=True) == 6
             assert replica.halted is None
             assert len(asked) >= 2
+
+
+async def test_the_ledger_check_reads_the_log_with_no_admin_request(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The admin REST API can be down while the data path is up: reading on must not wait
+    # for it at each new ledger.
+    real_get, real_last_position = AdminClient.get, AdminClient.last_position
+    down: list[AdminClient] = []
+
+    async def get(self: AdminClient, path: str) -> Any:
+        if self in down:
+            raise BrokerUnavailableError("the admin REST API is down")
+        return await real_get(self, path)
+
+    async def last_position(self: AdminClient, of: Any) -> Any:
+        if self in down:
+            raise BrokerUnavailableError("the admin REST API is down")
+        return await real_last_position(self, of)
+
+    monkeypatch.setattr(AdminClient, "get", get)
+    monkeypatch.setattr(AdminClient, "last_position", last_position)
+    async with trimming_manager(service_url, topic, admin_url) as writer:
+        for _ in range(3):
+            await writer.write(lambda s: [incr()])
+        async with trimming_manager(service_url, topic, admin_url) as replica:
+            down.append(replica._snapshots._store._admin)  # the replica's, not the writer's
+            await close_ledger_and_trim(admin_url, topic)  # the next records: a new ledger
+            for _ in range(3):
+                await writer.write(lambda s: [incr()])
+            await replica._replica.wait_version(6, 30)
+            assert await replica.read(lambda s: s["count"]) == 6
+            assert replica.halted is None
+
+
+async def test_a_replica_halted_during_the_ledger_check_stays_where_it_is(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The writer can halt the replica while the pump awaits the check: a halted replica keeps
+    # its last good state, whatever the check says.
+    snapshot_taken = asyncio.Event()
+
+    async def holds_message(self: SnapshotPolicy[Any], at: LogPosition) -> bool:
+        if self._replica is writer._replica:
+            return True
+        await snapshot_taken.wait()
+        self._replica.halt_with(PulsarStateError("halted by a test"))
+        return False  # "trimmed": would fall forward to the newest snapshot
+
+    async with trimming_manager(service_url, topic, admin_url) as writer:
+        for _ in range(3):
+            await writer.write(lambda s: [incr()])
+        monkeypatch.setattr(SnapshotPolicy, "holds_message", holds_message)
+        async with trimming_manager(service_url, topic, admin_url) as replica:
+            await close_ledger_and_trim(admin_url, topic)  # the next records: a new ledger
+            await write_and_snapshot(writer, 3)
+            snapshot_taken.set()
+            for _ in range(300):
+                if replica.halted is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert replica.halted is not None
+            await asyncio.sleep(1)  # (a fall-forward would have loaded the snapshot by now)
+            assert replica.stats.fell_forward == 0
+            assert replica.position == 3

@@ -6,6 +6,7 @@ import asyncio
 import enum
 import gc
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -392,23 +393,26 @@ async def test_a_prefix_watch_snapshot_holds_exactly_the_keys_with_the_prefix(
     keys = ["a", "ab", "ab" + top, "ac", top, top + "x", top * 2, "", "b"]
     async with new_map(service_url, topic, admin_url, key_codec=JsonCodec()) as m:
         await m.put_all({**{key: key for key in keys}, 7: "int"})
-        for prefix in ["a", "ab", "ab" + top, top, top * 2, "", "zz"]:
-            async with m.changes(prefix=prefix) as watch:
-                expected = sorted(key for key in keys if key.startswith(prefix))
-                got = await drain(watch, len(expected))
-                assert [e.key for e in got] == expected, prefix
-                with pytest.raises(OperationTimeoutError):
-                    await watch.next(timeout=0.2)
+        await watched_prefixes_hold_exactly(
+            m, keys, ["a", "ab", "ab" + top, top, top * 2, "", "zz"]
+        )
     async with new_map(service_url, topic + "-bytes", admin_url, key_codec=BytesCodec()) as b:
         byte_keys = [b"\xff", b"\xff\x00", b"\xfe\xff", b"\xfe\xff\x01", b"\xff\xff", b""]
         await b.put_all({key: 1 for key in byte_keys})
-        for byte_prefix in [b"\xff", b"\xfe\xff", b"\xfe", b""]:
-            async with b.changes(prefix=byte_prefix) as watch:
-                expected_bytes = sorted(k for k in byte_keys if k.startswith(byte_prefix))
-                got = await drain(watch, len(expected_bytes))
-                assert [e.key for e in got] == expected_bytes, byte_prefix
-                with pytest.raises(OperationTimeoutError):
-                    await watch.next(timeout=0.2)
+        await watched_prefixes_hold_exactly(b, byte_keys, [b"\xff", b"\xfe\xff", b"\xfe", b""])
+
+
+async def watched_prefixes_hold_exactly(
+    state_map: Any, keys: Sequence[Any], prefixes: Sequence[Any]
+) -> None:
+    """A watch of each prefix starts with exactly the keys of ``keys`` that have it, in order."""
+    for prefix in prefixes:
+        async with state_map.changes(prefix=prefix) as watch:
+            expected = sorted(key for key in keys if key.startswith(prefix))
+            got = await drain(watch, len(expected))
+            assert [e.key for e in got] == expected, prefix
+            with pytest.raises(OperationTimeoutError):
+                await watch.next(timeout=0.2)
 
 
 async def test_a_caught_up_consumer_takes_a_write_with_more_changes_than_max_queue(

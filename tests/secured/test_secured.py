@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
 import logging
 import os
 import subprocess
@@ -267,22 +268,9 @@ def test_spark_map_spec_get_map_round_trip(
 def test_doctor_with_the_superuser_token_checks_the_policies(
     secured_broker: SecuredBroker, secured_topic: str
 ) -> None:
-    command = Path(sys.executable).with_name("pulsar-state")
 
     def doctor(token: str) -> subprocess.CompletedProcess[str]:
-        env = {
-            **os.environ,
-            "PULSAR_SERVICE_URL": secured_broker.service_url,
-            "PULSAR_ADMIN_URL": secured_broker.admin_url,
-            "PULSAR_STATE_AUTH_TOKEN": token,
-        }
-        return subprocess.run(
-            [str(command), "-t", secured_topic, "doctor"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        return pulsar_state_as(secured_broker, token, "-t", secured_topic, "doctor")
 
     # The topic must exist for its policies to be read.
     admin_request(
@@ -300,6 +288,44 @@ def test_doctor_with_the_superuser_token_checks_the_policies(
     assert refused.returncode != 0
     assert "AccessDeniedError" in refused.stderr, refused.stderr
     assert "lacks permission" in refused.stderr, refused.stderr
+
+
+def test_status_as_the_application_role_says_the_policies_were_not_checked(
+    secured_broker: SecuredBroker, secured_topic: str
+) -> None:
+    # That role may read the topic's stats but not its policies (HTTP 403): status reports
+    # them unchecked, and exits 0 (4 means a setting that loses history was found).
+    admin_request(
+        secured_broker.admin_url,
+        "PUT",
+        TopicName.parse(secured_topic).rest_path,
+        token=secured_broker.admin_token,
+    )
+    status = pulsar_state_as(
+        secured_broker, secured_broker.app_token, "-t", secured_topic, "-o", "json", "status"
+    )
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert json.loads(status.stdout)["policies"].startswith("not checked (HTTP 403)")
+    assert "pulsar-state doctor" in status.stderr
+
+
+def pulsar_state_as(
+    secured_broker: SecuredBroker, token: str, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """The ``pulsar-state`` command on the secured broker, with ``token``."""
+    env = {
+        **os.environ,
+        "PULSAR_SERVICE_URL": secured_broker.service_url,
+        "PULSAR_ADMIN_URL": secured_broker.admin_url,
+        "PULSAR_STATE_AUTH_TOKEN": token,
+    }
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("pulsar-state")), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 # ------------------------------------------------------------------------------ redirects
