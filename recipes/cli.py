@@ -1089,37 +1089,53 @@ def snapshot_verify(settings: Settings, snapshot_id: str | None) -> None:
     own ledger is trimmed."""
 
     async def work(store: Any) -> list[dict[str, Any]]:
-        manifests = await store.manifests()
+        everything = await store.manifests()
+        manifests = everything
         if snapshot_id is not None:
-            manifests = [m for m in manifests if m.snapshot_id == snapshot_id]
+            manifests = [m for m in everything if m.snapshot_id == snapshot_id]
             if not manifests:
                 raise BadInput(f"no snapshot {snapshot_id} on {settings.need_topic()}")
+        problems: dict[Any, str | None] = {}  # by manifest: None when it checked out
+
+        async def problem_of(manifest: Any) -> str | None:
+            if manifest not in problems:
+                try:
+                    await store.load(manifest)
+                    problems[manifest] = None
+                except PulsarStateError as exc:
+                    problems[manifest] = f"{type(exc).__name__}: {exc}"
+            return problems[manifest]
+
+        async def trimmed(manifest: Any) -> bool:
+            """Its first chunk is gone because the chunk topic now begins after it, and a
+            newer snapshot of the same history checks out (trim_history keeps the newest)."""
+            newer = [
+                other
+                for other in reversed(everything)
+                # (the history's first record: it outlives trimming, unlike log_first_*)
+                if other.position > manifest.position and other.log_origin == manifest.log_origin
+            ]
+            for other in newer:
+                if await problem_of(other) is None:
+                    with contextlib.suppress(PulsarStateError):
+                        return bool(await store.chunks_trimmed(manifest))
+                    return False
+            return False
+
         results = []
         for manifest in manifests:
-            try:
-                await store.load(manifest)
-                problem = None
-            except PulsarStateError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
+            problem = await problem_of(manifest)
+            status = "ok" if problem is None else "failed"
+            if problem is not None and await trimmed(manifest):
+                status = "trimmed"
             results.append(
                 {
                     **_manifest_json(manifest),
                     "ok": problem is None,
-                    "status": "ok" if problem is None else "failed",
+                    "status": status,
                     "error": problem,
                 }
             )
-        # Trimmed, not failed: its first chunk is gone because the chunk topic now begins
-        # after it, and a newer snapshot checked out (trim_history keeps the newest ones).
-        for manifest, result in zip(manifests, results, strict=True):
-            newer_ok = any(
-                other["ok"] and other["position"] >= manifest.position for other in results
-            )
-            if result["ok"] or not newer_ok:
-                continue
-            with contextlib.suppress(PulsarStateError):
-                if await store.chunks_trimmed(manifest):
-                    result["status"] = "trimmed"
         return results
 
     results = _run(settings, lambda: _with_snapshots(settings, work))

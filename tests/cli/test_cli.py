@@ -604,6 +604,10 @@ async def test_snapshot_verify_tells_a_trimmed_snapshot_from_a_damaged_one(
     assert results[-1]["snapshot_id"] == newest.snapshot_id
     text = ok(pulsar_state(broker, topic, "snapshot", "verify"))
     assert "trimmed" in text.splitlines()[0]
+    alone = ok(
+        pulsar_state(broker, topic, "-o", "json", "snapshot", "verify", results[0]["snapshot_id"])
+    )
+    assert json.loads(alone)["status"] == "trimmed"  # the newer ones are checked, not shown
     # Damaged ones still fail: a manifest whose chunks are not where it says, and the newest
     # one whose first chunk is gone (no newer snapshot checks out: not trimmed on purpose).
     misplaced = dataclasses.replace(newest, snapshot_id="e" * 32)
