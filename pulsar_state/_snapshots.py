@@ -269,9 +269,7 @@ class SnapshotStore:
         try:
             async with asyncio.timeout(self._timeout_s):
                 while True:
-                    message = await reader.read_next()
-                    if previous is not None and message.position <= previous:
-                        continue  # read again (a reader reopened): already counted
+                    message = await reader.read_next()  # (never one read before)
                     try:
                         manifest = decode_manifest(
                             message.payload, message_id=str(message.position)
