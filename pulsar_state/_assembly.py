@@ -170,6 +170,7 @@ class Assembly(Generic[S, Op]):
                     stored.record_id,
                     stored.log_position,
                     stored.origin,
+                    stored.stale,
                 )
         # Creating the reader also creates the topic, so its policies exist.
         await retry_transient(

@@ -36,6 +36,11 @@ class LogMark:
     record_id: str
     log_position: LogPosition
     origin: str | None = None
+    # The records ignored as stale before the mark's record that may still have a record
+    # built on them, each with the position it claimed: one built on it there is stale too
+    # (a writer's pipelined chain). A replica resuming after the mark does not read them
+    # again, so the mark names them: a store must keep them with the rest (usually none).
+    stale: tuple[tuple[str, int], ...] = ()
 
 
 class DurableState(Protocol[S]):
@@ -48,7 +53,9 @@ class DurableState(Protocol[S]):
     """
 
     def stored_mark(self, state: S) -> LogMark | None:
-        """The mark the stored state is at; None when nothing is stored (a new store)."""
+        """The mark the stored state is at; None when nothing is stored (a new store).
+        Every field as committed, ``stale`` included: a replica resumed with fewer stale
+        records than the mark named may halt as forked where the others ignore a record."""
         ...
 
     def commit(self, state: S, mark: LogMark) -> None:

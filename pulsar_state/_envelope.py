@@ -223,6 +223,10 @@ class SnapshotManifest:
     # manifest). It outlives trimming, unlike log_first_*: a store whose own mark was trimmed
     # away proves with it that it holds an earlier state of this very history.
     log_origin: str | None = None
+    # The records ignored as stale before record_id that may still have a chain built on
+    # them, with the positions they claimed (see LogMark.stale): a replica resuming after
+    # log_ledger:log_entry does not read them again. Empty in older manifests.
+    log_stale: tuple[tuple[str, int], ...] = ()
 
 
 _MANIFEST_FIELDS = frozenset(SnapshotManifest.__dataclass_fields__)
@@ -242,6 +246,7 @@ _MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
         (int,),
     ),
     "created_at": (int, float),
+    "log_stale": (tuple,),
     **dict.fromkeys(("log_first_ledger", "log_first_entry"), (int, type(None))),
     **dict.fromkeys(("log_first_record", "log_covered_record", "log_origin"), (str, type(None))),
 }
@@ -252,6 +257,14 @@ def _check_manifest(manifest: SnapshotManifest) -> None:
         value = getattr(manifest, name)
         if isinstance(value, bool) or not isinstance(value, allowed):
             raise TypeError(f"field {name} is {value!r}")
+    for pair in manifest.log_stale:
+        if not (
+            isinstance(pair, tuple)
+            and len(pair) == 2
+            and isinstance(pair[0], str)
+            and type(pair[1]) is int
+        ):
+            raise TypeError(f"field log_stale holds {pair!r}, not a (record id, position)")
     bytes.fromhex(manifest.snapshot_id)  # ValueError if not hex (chunks carry it as bytes)
 
 
@@ -286,6 +299,10 @@ def decode_manifest(payload: bytes, *, message_id: str) -> SnapshotManifest:
         )
     try:
         fields = json.loads(payload[len(MANIFEST_MAGIC) : end])
+        if isinstance(fields.get("log_stale"), list):  # JSON lists, hashable again
+            fields["log_stale"] = tuple(
+                tuple(pair) if isinstance(pair, list) else pair for pair in fields["log_stale"]
+            )
         # Fields a newer version added are ignored: what this version checks stays checked.
         manifest = SnapshotManifest(**{k: v for k, v in fields.items() if k in _MANIFEST_FIELDS})
         _check_manifest(manifest)  # a field of another type would fail later, elsewhere

@@ -85,6 +85,19 @@ _SKIP_AFTER_READ_AHEADS = 16
 # Stale records remembered since the last record accepted (a chain built on an older one is
 # at most a batch long; past this many, the oldest are forgotten and a chain on one halts).
 _MAX_STALE = 65536
+# At most this many stale records are kept across an accept (the latest ignored): what a
+# snapshot or stored mark carries. A longer chain ahead of the version is forgotten from its
+# oldest link, alike on every replica, whether it read the whole log or resumed.
+MAX_STALE_KEPT = 4096
+
+
+def _kept_at(stale: dict[str, int], version: int) -> dict[str, int]:
+    """The stale records still to keep once the record making ``version`` is accepted: those
+    claiming it or a later position (one claiming an earlier position can match nothing more)."""
+    kept = {record_id: claim for record_id, claim in stale.items() if claim >= version}
+    if len(kept) > MAX_STALE_KEPT:
+        kept = dict(list(kept.items())[-MAX_STALE_KEPT:])
+    return kept
 
 
 def read_ahead(max_record_bytes: int) -> int:
@@ -112,12 +125,18 @@ class Replica(Generic[S, Op]):
         # Where the last record accepted is (or the mark loaded): resuming just after it
         # re-reads the records ignored since, which _stale is made of.
         self.applied_at: LogPosition | None = None
-        # The records ignored as stale since the last record accepted, each with the
-        # position it claimed (its base's + 1): a record built on one of them at that
+        # The records ignored as stale that may still have a record built on them, each with
+        # the position it claimed (its base's + 1): a record built on one of them at that
         # position (a writer's pipelined chain whose first record was ignored) is stale too,
-        # not a fork. Every replica that reads from applied_at on agrees. (A duplicate of an
+        # not a fork. One claiming a position below the version can match nothing more, so
+        # an accept keeps only those claiming its version or later (a chain can go on across
+        # another writer's record, and run ahead of the version). (A duplicate of an
         # accepted record is ignored too: a record built on it is accepted first.)
         self._stale: dict[str, int] = {}
+        # Those kept at the last accept (ignored before it): a replica resuming just after
+        # applied_at reads the later ones again, not these, so snapshots and stored marks
+        # carry them, with their claims.
+        self.stale_at_applied: tuple[tuple[str, int], ...] = ()
         self.halt: PulsarStateError | None = None
         self.listeners: list[Callable[[AppliedRecord[Op]], None]] = []
         # Internal hooks, called before listeners: (version, state) after each record.
@@ -165,13 +184,17 @@ class Replica(Generic[S, Op]):
         last_record_id: str,
         read_to: LogPosition | None,
         origin: str | None = None,
+        stale: tuple[tuple[str, int], ...] = (),
     ) -> None:
         """Start from a snapshot (or a durable state's mark) instead of the empty state;
-        ``read_to`` None: from the log's beginning."""
+        ``read_to`` None: from the log's beginning. ``stale``: the records ignored before the
+        last one accepted that may still have a chain built on them, with the positions they
+        claimed (the snapshot's or mark's)."""
         self.state, self.version, self.last_record_id = state, version, last_record_id
         self.read_to, self.origin = read_to, origin
         self.applied_at = read_to
-        self._stale.clear()
+        self._stale = dict(stale)
+        self.stale_at_applied = tuple(stale)
         self._stats.position = version
 
     # ------------------------------------------------------------------ the reader
@@ -753,10 +776,12 @@ class Replica(Generic[S, Op]):
             )
             return
         origin = record.record_id if self.version == 0 else self.origin
+        version = self.version + 1
+        kept = _kept_at(self._stale, version) if self._stale else self._stale
         if self.durable is not None:
             try:
                 self.durable.commit(
-                    self.state, LogMark(self.version + 1, record.record_id, at, origin)
+                    self.state, LogMark(version, record.record_id, at, origin, tuple(kept.items()))
                 )
             except Exception as exc:
                 # Not stored, so not applied: stop at the last record stored (the log keeps
@@ -770,11 +795,12 @@ class Replica(Generic[S, Op]):
                 )
                 return
         observe_apply(self._stats, self._context.attributes, time.perf_counter() - started)
-        self.version += 1
+        self.version = version
         self.last_record_id, self.origin = record.record_id, origin
         self.applied_at = at
-        if self._stale:
-            self._stale.clear()
+        if self._stale or self.stale_at_applied:
+            self._stale = kept
+            self.stale_at_applied = tuple(kept.items())
         self._stats.position = self.version
         for hook in self.after_apply:
             hook(self.version, self.state)

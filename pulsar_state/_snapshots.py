@@ -481,6 +481,7 @@ class SnapshotStore:
         log_position: LogPosition,
         writer_id: str,
         origin: str | None = None,
+        stale: tuple[tuple[str, int], ...] = (),
         count: int = 0,
     ) -> SnapshotManifest:
         """Write the snapshot whose bytes are ``parts`` joined as chunks, then the manifest.
@@ -526,6 +527,7 @@ class SnapshotStore:
                     log_first_record=None if first is None else first[1],
                     log_covered_record=None if covered is None else covered[1],
                     log_origin=origin,
+                    log_stale=stale,
                 )
                 # Written last: a snapshot is used only once all its chunks are durable.
                 async with asyncio.timeout(self._timeout_s):
@@ -782,7 +784,13 @@ class SnapshotPolicy(Generic[S]):
                 started = time.monotonic()
                 at = LogPosition(manifest.log_ledger, manifest.log_entry)
                 if self._durable is not None:
-                    mark = LogMark(manifest.position, manifest.record_id, at, manifest.log_origin)
+                    mark = LogMark(
+                        manifest.position,
+                        manifest.record_id,
+                        at,
+                        manifest.log_origin,
+                        manifest.log_stale,
+                    )
                     self._storing = True  # until the replica is at the snapshot's version
                     try:
                         state = await self._store_streamed(self._durable, manifest, mark)
@@ -812,6 +820,7 @@ class SnapshotPolicy(Generic[S]):
                 manifest.record_id,
                 LogPosition(manifest.log_ledger, manifest.log_entry),
                 manifest.log_origin,
+                manifest.log_stale,
             )
             self._storing = False
             self._last_version = manifest.position
@@ -1022,8 +1031,10 @@ class SnapshotPolicy(Generic[S]):
         state = self._copy_state(replica.state)
         version, record_id, origin = replica.version, replica.last_record_id, replica.origin
         # Where that record is, not how far the replica read: a replica loading the
-        # snapshot reads the records ignored since, as this one did (see Replica._stale).
+        # snapshot reads the records ignored since, as this one did (see Replica._stale),
+        # and is told those ignored before it that may still have a chain built on them.
         log_position = replica.applied_at or LogPosition(-1, -1)
+        stale = replica.stale_at_applied
         bytes_read = self._stats.bytes_read
         started = time.perf_counter()
         try:
@@ -1044,6 +1055,7 @@ class SnapshotPolicy(Generic[S]):
                     log_position=log_position,
                     writer_id=self._writer_id,
                     origin=origin,
+                    stale=stale,
                 )
         except TimeoutError as exc:
             raise OperationTimeoutError(f"snapshot of {self._topic} took over {timeout}s") from exc

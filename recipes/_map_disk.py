@@ -89,7 +89,8 @@ V = TypeVar("V")
 # 2: the mark may carry the history's origin (a store of format 1 is read as having none).
 # 3: the entries live in one of two databases, the meta "active" key names which: a snapshot is
 # loaded into the other, then switched to in one transaction.
-FORMAT: Final = 3
+# 4: the mark may name records ignored as stale (state 3): read as another history before.
+FORMAT: Final = 4
 MARKER = "PULSAR_STATE_MAP"
 _OWNER_LOCK = "owner.lock"
 _INFO = b"info"
@@ -98,9 +99,11 @@ _MARK = b"mark"
 MAX_KEY_BYTES: Final = 511
 
 _VERSION = struct.Struct(">Q")
-# state (0 empty, 1 at a mark, 2 at a mark with an origin), position, ledger, entry, number of
-# keys; the record id follows: the rest (state 1), or (state 2) its length (_ID_LENGTH) first,
-# then the origin's record id (ids may hold any character, NUL included).
+# state (0 empty, 1 at a mark, 2 at a mark with an origin, 3 at a mark naming stale records),
+# position, ledger, entry, number of keys; the record id follows: the rest (state 1), or
+# (state 2) its length (_ID_LENGTH) first, then the origin's record id (ids may hold any
+# character, NUL included), or (state 3, rare) a JSON object of the record id, the origin and
+# the stale records (pairs of id and claimed position, LogMark.stale).
 _MARK_HEAD = struct.Struct(">Bqqqq")
 _ID_LENGTH = struct.Struct(">I")
 _ACTIVE = b"active"
@@ -440,6 +443,11 @@ class _Env:
         if state == 0:
             return None, 0
         ids, origin = bytes(raw[_MARK_HEAD.size :]), None
+        if state == 3:
+            named = json.loads(ids)
+            at = LogPosition(ledger, entry)
+            stale = tuple((record_id, claim) for record_id, claim in named["stale"])
+            return LogMark(position, named["id"], at, named["origin"], stale), count
         if state == 2:
             (length,) = _ID_LENGTH.unpack_from(ids)
             ids = ids[_ID_LENGTH.size :]
@@ -483,6 +491,10 @@ def pack_mark(mark: LogMark | None, count: int) -> bytes:
     if mark is None:
         return _MARK_HEAD.pack(0, 0, 0, 0, 0)
     at, record_id = mark.log_position, mark.record_id.encode()
+    if mark.stale:
+        head = _MARK_HEAD.pack(3, mark.position, at.ledger, at.entry, count)
+        named = {"id": mark.record_id, "origin": mark.origin, "stale": list(mark.stale)}
+        return head + json.dumps(named).encode()
     if mark.origin is None:
         return _MARK_HEAD.pack(1, mark.position, at.ledger, at.entry, count) + record_id
     head = _MARK_HEAD.pack(2, mark.position, at.ledger, at.entry, count)

@@ -829,7 +829,7 @@ def log(settings: Settings, ops: str, limit: int | None) -> None:
             elif record.base_position == accepted and record.base_record_id == last_id:
                 verdict = "accepted"
                 accepted, last_id = accepted + 1, record.record_id
-                stale.clear()
+                stale = {k: p for k, p in stale.items() if p >= accepted}
             elif stale.get(record.base_record_id) == record.base_position:
                 verdict = "stale"
             else:

@@ -537,7 +537,9 @@ async def test_log_says_what_replicas_do_with_each_record(
         for record in [
             Record("late", 1, 0, "", [Write(1, [op])]),  # stale: base 0, the log is at 1
             Record("late", 2, 1, "late/1", [Write(2, [op])]),  # its chain: stale too
+            Record("late", 3, 2, "late/2", [Write(3, [op])]),  # ahead of the log: stale
             Record("other", 1, 1, first_id, [Write(1, [op])]),  # accepted at 2
+            Record("late", 4, 3, "late/3", [Write(4, [op])]),  # the chain goes on: stale
             Record("elsewhere", 9, 7, "elsewhere/8", [Write(1, [op])]),  # forked
         ]:
             await producer.send(encode_record(record), partition_key=record.record_id)
@@ -549,11 +551,14 @@ async def test_log_says_what_replicas_do_with_each_record(
         ("accepted", 1),
         ("stale", None),
         ("stale", None),
+        ("stale", None),
         ("accepted", 2),
+        ("stale", None),
         ("forked", None),
     ]
     text = ok(pulsar_state(broker, topic, "log")).splitlines()
-    assert [line.split("\t")[0] for line in text] == ["1", "stale", "stale", "2", "forked"]
+    verdicts = ["1", "stale", "stale", "stale", "2", "stale", "forked"]
+    assert [line.split("\t")[0] for line in text] == verdicts
 
 
 async def test_log_of_a_topic_whose_beginning_was_trimmed(broker: Broker, topic: str) -> None:

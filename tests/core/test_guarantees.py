@@ -216,6 +216,38 @@ async def test_a_chain_built_on_a_stale_record_is_ignored_also_after_a_snapshot(
         assert resumed.stats.records_rejected == 2  # B/1 read again, then B/2
 
 
+async def test_a_stale_chain_across_an_accepted_record_is_ignored_also_after_a_snapshot(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # B's pipelined chain B/1 -> B/2 -> B/3, stale from B/1 on, with a record of this writer
+    # accepted between B/2 and B/3 (a chain relayed in pieces lands like this). Before: that
+    # accept made the replica forget B/2, and B/3 halted every replica as a forked history.
+    # A snapshot taken at that record names B/2: a replica loading it does not read B/2.
+    async with counter_manager(service_url, topic, admin_url, snapshot_codec=JsonCodec()) as m:
+        await m.write(lambda s: [incr("a")])
+        first_id = m._replica.last_record_id  # test-only peek: B/1 is based on it
+        await m.write(lambda s: [incr("x")])
+        for seq in (1, 2):
+            base_id = first_id if seq == 1 else "B/1"
+            op = f'{{"op":"incr","id":"b{seq}"}}'.encode()
+            await send_raw(service_url, topic, Record("B", seq, seq, base_id, [Write(seq, [op])]))
+        await m.sync(timeout=20)
+        await m.write(lambda s: [incr("c")])
+        manifest = await m.snapshot()
+        assert (manifest.position, manifest.log_stale) == (3, (("B/2", 3),))
+        chained = Record("B", 3, 3, "B/2", [Write(3, [b'{"op":"incr","id":"b3"}'])])
+        await send_raw(service_url, topic, chained)
+        await m.write(lambda s: [incr("d")])
+        assert await seen_by(m) == {"a": 1, "x": 1, "c": 1, "d": 1}
+        assert m.stats.records_rejected == 3
+    async with counter_manager(
+        service_url, topic, admin_url, snapshot_codec=JsonCodec()
+    ) as resumed:
+        assert resumed.stats.snapshot_loaded_position == 3
+        assert await seen_by(resumed) == {"a": 1, "x": 1, "c": 1, "d": 1}
+        assert resumed.stats.records_rejected == 1  # B/3
+
+
 async def test_a_record_sent_twice_stops_no_later_write(
     service_url: str, admin_url: str, topic: str
 ) -> None:

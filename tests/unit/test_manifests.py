@@ -39,6 +39,15 @@ def test_a_manifest_round_trips_and_ignores_fields_of_newer_versions() -> None:
     assert decode_manifest(raw(newer), message_id="m") == GOOD
 
 
+def test_a_manifest_names_the_stale_records_it_resumes_after_and_older_ones_none() -> None:
+    with_stale = dataclasses.replace(GOOD, log_stale=(("B/2", 9), ("B/3", 10)))
+    decoded = decode_manifest(encode_manifest(with_stale), message_id="m")
+    assert decoded == with_stale
+    hash(decoded)  # listed in sets (identical manifests stored twice are listed once)
+    older = {k: v for k, v in dataclasses.asdict(GOOD).items() if k != "log_stale"}
+    assert decode_manifest(raw(older), message_id="m").log_stale == ()
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
@@ -49,6 +58,13 @@ def test_a_manifest_round_trips_and_ignores_fields_of_newer_versions() -> None:
         ("record_id", 7),
         ("created_at", "now"),
         ("log_origin", 1),
+        ("log_stale", "B/2"),
+        ("log_stale", ["B/2"]),
+        ("log_stale", [["B/2"]]),
+        ("log_stale", [["B/2", "9"]]),
+        ("log_stale", [["B/2", True]]),
+        ("log_stale", [[2, 9]]),
+        ("log_stale", None),
         ("snapshot_id", "not hex"),
     ],
 )

@@ -362,6 +362,22 @@ def test_the_mark_keeps_the_origin_and_a_format_1_mark_reads_without_one(tmp_pat
     old.close_store()
 
 
+def test_the_mark_keeps_the_stale_records_it_names(tmp_path: Path) -> None:
+    # Records ignored as stale before the mark's record that claimed its position: a store
+    # reopened resumes after the mark and must still know them (Replica.stale_at_applied).
+    state = open_state(tmp_path)
+    for position, stale in ((1, (("B/2", 1), ("odd\x00id", 2))), (2, ())):
+        state.begin(position)
+        state.apply(CODECS.put("a", position))
+        state.commit(LogMark(position, f"r{position}", LogPosition(3, position), "r1", stale))
+        state.close_store()
+        state = open_state(tmp_path)
+        assert state.mark == LogMark(
+            position, f"r{position}", LogPosition(3, position), "r1", stale
+        )
+    state.close_store()
+
+
 def state_with_one_key(path: Path, key: str) -> DiskMapState[str, Any]:
     """A store holding ``key`` (value 1) at mark 1."""
     state = open_state(path)

@@ -4,13 +4,17 @@ forked history), pure: records handed to a Replica, no broker."""
 from __future__ import annotations
 
 import copy
+import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pulsar_state import ForkedHistoryError, JsonCodec
 from pulsar_state._admin import TopicName
 from pulsar_state._context import Context, Settings
+from pulsar_state._durable import LogMark
 from pulsar_state._envelope import Record, Write, encode_record
 from pulsar_state._machine import StateMachine
 from pulsar_state._pulsar import LogPosition, RawMessage
@@ -149,3 +153,177 @@ def test_a_record_on_an_ignored_record_at_another_position_still_halts_as_forked
     target, _owner = replica()
     feed(target, [*LOG[:3], record("B", 2, 3, "B/1", "b2")])
     assert isinstance(target.halt, ForkedHistoryError)
+
+
+# B's pipelined chain goes on after C's record is accepted: B/3 (on B/2, at the version C/1
+# made) is as stale as B/1 and B/2. A writer's chain relayed in pieces through the holder of
+# the topic's writer, between the holder's own records, lands like this.
+INTERRUPTED = [*LOG[:4], LOG[5], LOG[4], record("D", 1, 3, "C/1", "d")]
+
+
+def test_a_stale_chain_goes_on_across_another_writers_record() -> None:
+    # Before: the accept of C/1 forgot B/2, so B/3 halted every replica as a forked history.
+    target, owner = replica()
+    feed(target, INTERRUPTED)
+    assert target.halt is None
+    assert owner.rejected == ["B/1", "B/2", "B/3"]
+    assert (target.version, target.last_record_id) == (4, "D/1")
+    assert target.state == {"a": 1, "x": 2, "c": 1, "d": 1}
+
+
+class Store:
+    """A durable state that keeps the marks it was given."""
+
+    def __init__(self) -> None:
+        self.marks: list[LogMark] = []
+
+    def commit(self, state: object, mark: LogMark) -> None:
+        self.marks.append(mark)
+
+
+def test_a_replica_resuming_after_the_record_inside_a_stale_chain_agrees() -> None:
+    # Resuming just after C/1 (a snapshot's or a stored mark's position), a replica does not
+    # read B/2 again: the mark names it, and B/3 is stale there too.
+    first, _owner = replica()
+    store = Store()
+    first.durable = store  # type: ignore[assignment]
+    feed(first, INTERRUPTED[:5])  # up to C/1
+    assert first.stale_at_applied == (("B/2", 3),)
+    mark = store.marks[-1]
+    assert (mark.position, mark.record_id, mark.stale) == (3, "C/1", (("B/2", 3),))
+    assert mark.log_position == first.applied_at == LogPosition(1, 4)
+    resumed, owner = replica()
+    resumed.load(
+        copy.deepcopy(first.state),
+        mark.position,
+        mark.record_id,
+        mark.log_position,
+        None,
+        mark.stale,
+    )
+    feed(resumed, INTERRUPTED[5:], start=5)
+    assert resumed.halt is None
+    assert owner.rejected == ["B/3"]
+    assert resumed.state == {"a": 1, "x": 2, "c": 1, "d": 1}
+    assert resumed.stale_at_applied == (("B/3", 4),)  # D/1's position: B/4 on it is stale
+
+
+# The same chain one link further before C/1 lands: B/3 claims 4, ahead of C/1's version.
+AHEAD = [*LOG[:5], LOG[5], record("D", 1, 3, "C/1", "d"), record("B", 4, 4, "B/3", "b4")]
+
+
+def test_a_stale_chain_ahead_of_the_version_goes_on_after_an_accept() -> None:
+    target, owner = replica()
+    feed(target, AHEAD)
+    assert target.halt is None
+    assert owner.rejected == ["B/1", "B/2", "B/3", "B/4"]
+    assert target.state == {"a": 1, "x": 2, "c": 1, "d": 1}
+
+
+@pytest.mark.parametrize("after", range(1, len(AHEAD)))
+def test_a_replica_resuming_from_any_mark_decides_as_one_that_read_everything(after: int) -> None:
+    # Resumed at the last record accepted among the first ``after`` messages (where a
+    # snapshot taken then, or the stored mark, puts it), with what the mark names.
+    whole, whole_owner = replica()
+    feed(whole, AHEAD)
+    first, _owner = replica()
+    store = Store()
+    first.durable = store  # type: ignore[assignment]
+    feed(first, AHEAD[:after])
+    assert first.applied_at is not None
+    resumed, owner = replica()
+    resumed.load(
+        copy.deepcopy(first.state),
+        first.version,
+        first.last_record_id,
+        first.applied_at,
+        None,
+        first.stale_at_applied,
+    )
+    assert first.stale_at_applied == store.marks[-1].stale
+    start = first.applied_at.entry + 1
+    feed(resumed, AHEAD[start:], start=start)
+    assert resumed.halt is None
+    assert (resumed.state, resumed.version) == (whole.state, whole.version)
+    assert owner.rejected == [
+        r.record_id for r in AHEAD[start:] if r.record_id in whole_owner.rejected
+    ]
+
+
+def test_a_chain_on_a_stale_record_from_before_the_last_two_accepts_still_halts() -> None:
+    # B/2 claimed position 3, which C/1 took; D/1 took 4. A record on B/2 at 4 is not B's
+    # pipelined chain (that would be at 3): no replica saw that history.
+    target, _owner = replica()
+    feed(target, [*INTERRUPTED, record("B", 4, 4, "B/2", "b4")])
+    assert isinstance(target.halt, ForkedHistoryError)
+
+
+def test_stale_records_past_the_bound_are_forgotten_alike_by_every_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With room for one, C/1's accept keeps B/3 (the latest) and forgets B/2: a record on
+    # B/2 at 3 then halts as forked, on a replica resumed at C/1 as on one that read it all.
+    monkeypatch.setattr("pulsar_state._replica.MAX_STALE_KEPT", 1)
+    log = [*LOG[:5], LOG[5], record("E", 1, 3, "B/2", "e")]
+    whole, _owner = replica()
+    feed(whole, log)
+    first, _owner = replica()
+    feed(first, log[:6])
+    assert first.stale_at_applied == (("B/3", 4),)
+    resumed, _owner = replica()
+    resumed.load({}, first.version, first.last_record_id, first.applied_at, None, (("B/3", 4),))
+    feed(resumed, log[6:], start=6)
+    assert isinstance(whole.halt, ForkedHistoryError)
+    assert isinstance(resumed.halt, ForkedHistoryError)
+
+
+def random_log(seed: int) -> list[Record]:
+    """Records of four writers, most built on one of the last few records written (accepted
+    or not: chains, forks), some on nothing ever written, some sent twice."""
+    rng = random.Random(seed)
+    log: list[Record] = []
+    bases: list[tuple[int, str]] = [(0, "")]
+    seqs = dict.fromkeys("ABCD", 0)
+    for _ in range(rng.randint(5, 25)):
+        roll = rng.random()
+        if log and roll < 0.1:
+            log.append(rng.choice(log))
+            continue
+        writer = rng.choice("ABCD")
+        seqs[writer] += 1
+        if roll < 0.15:
+            base = (rng.randint(0, 6), f"{rng.choice('ABCD')}/{rng.randint(0, 5)}")
+        else:
+            base = rng.choice(bases[-6:])
+        made = record(writer, seqs[writer], base[0], base[1], f"k{len(log)}")
+        log.append(made)
+        bases.append((base[0] + 1, made.record_id))
+    return log
+
+
+def outcome(target: Replica[dict[str, Any], Any]) -> tuple[object, ...]:
+    return (target.version, target.last_record_id, target.halt is not None, target.state)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=2**32))
+def test_a_replica_resumed_at_any_accept_ends_as_one_that_read_everything(seed: int) -> None:
+    log = random_log(seed)
+    whole, _owner = replica()
+    store = Store()
+    whole.durable = store  # type: ignore[assignment]
+    resumed_from: list[tuple[dict[str, Any], LogMark]] = []
+    for entry, each in enumerate(log):
+        feed(whole, [each], start=entry)
+        if store.marks and store.marks[-1].log_position == LogPosition(1, entry):
+            resumed_from.append((copy.deepcopy(whole.state), store.marks[-1]))
+        if whole.halt is not None:
+            break
+    for state, mark in resumed_from:
+        resumed, _owner = replica()
+        resumed.load(state, mark.position, mark.record_id, mark.log_position, None, mark.stale)
+        for entry in range(mark.log_position.entry + 1, len(log)):
+            feed(resumed, [log[entry]], start=entry)
+            if resumed.halt is not None:
+                break
+        assert outcome(resumed) == outcome(whole), (mark, log)
