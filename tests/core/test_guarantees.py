@@ -17,6 +17,7 @@ from pulsar_state import (
     ForkedHistoryError,
     JsonCodec,
     ReplicaHaltedError,
+    SharedStateManager,
 )
 from pulsar_state._envelope import Record, Write, encode_record
 from pulsar_state._records import OutgoingRecord
@@ -188,6 +189,23 @@ async def test_same_position_other_base_record_halts_as_forked_history(
             pass
 
 
+async def two_records(manager: SharedStateManager[Any, Any]) -> str:
+    """Writes "a" then "x"; returns the first one's record id (a stale chain's base)."""
+    await manager.write(lambda s: [incr("a")])
+    first_id: str = manager._replica.last_record_id  # test-only peek
+    await manager.write(lambda s: [incr("x")])
+    return first_id
+
+
+async def send_stale_chain(service_url: str, topic: str, first_id: str, links: list[int]) -> None:
+    """Links of writer B's pipelined chain: B/1 on ``first_id`` at 1 (stale once "x" is
+    there), each B/n on B/n-1 at n."""
+    for seq in links:
+        base_id = first_id if seq == 1 else f"B/{seq - 1}"
+        op = f'{{"op":"incr","id":"b{seq}"}}'.encode()
+        await send_raw(service_url, topic, Record("B", seq, seq, base_id, [Write(seq, [op])]))
+
+
 async def test_a_chain_built_on_a_stale_record_is_ignored_also_after_a_snapshot(
     service_url: str, admin_url: str, topic: str
 ) -> None:
@@ -196,15 +214,11 @@ async def test_a_chain_built_on_a_stale_record_is_ignored_also_after_a_snapshot(
     # as a forked history. And a snapshot taken between them named how far its replica had
     # read (past B/1), so a replica loading it could not know B/1 was stale.
     async with counter_manager(service_url, topic, admin_url, snapshot_codec=JsonCodec()) as m:
-        await m.write(lambda s: [incr("a")])
-        first_id = m._replica.last_record_id  # test-only peek: B/1 is based on it
-        await m.write(lambda s: [incr("x")])
-        head = Record("B", 1, 1, first_id, [Write(1, [b'{"op":"incr","id":"b1"}'])])
-        await send_raw(service_url, topic, head)
+        first_id = await two_records(m)
+        await send_stale_chain(service_url, topic, first_id, [1])
         await m.sync(timeout=20)
         manifest = await m.snapshot()
-        chained = Record("B", 2, 2, "B/1", [Write(2, [b'{"op":"incr","id":"b2"}'])])
-        await send_raw(service_url, topic, chained)
+        await send_stale_chain(service_url, topic, first_id, [2])
         await m.write(lambda s: [incr("c")])
         assert await seen_by(m) == {"a": 1, "x": 1, "c": 1}
         assert m.stats.records_rejected == 2
@@ -224,19 +238,13 @@ async def test_a_stale_chain_across_an_accepted_record_is_ignored_also_after_a_s
     # accept made the replica forget B/2, and B/3 halted every replica as a forked history.
     # A snapshot taken at that record names B/2: a replica loading it does not read B/2.
     async with counter_manager(service_url, topic, admin_url, snapshot_codec=JsonCodec()) as m:
-        await m.write(lambda s: [incr("a")])
-        first_id = m._replica.last_record_id  # test-only peek: B/1 is based on it
-        await m.write(lambda s: [incr("x")])
-        for seq in (1, 2):
-            base_id = first_id if seq == 1 else "B/1"
-            op = f'{{"op":"incr","id":"b{seq}"}}'.encode()
-            await send_raw(service_url, topic, Record("B", seq, seq, base_id, [Write(seq, [op])]))
+        first_id = await two_records(m)
+        await send_stale_chain(service_url, topic, first_id, [1, 2])
         await m.sync(timeout=20)
         await m.write(lambda s: [incr("c")])
         manifest = await m.snapshot()
         assert (manifest.position, manifest.log_stale) == (3, (("B/2", 3),))
-        chained = Record("B", 3, 3, "B/2", [Write(3, [b'{"op":"incr","id":"b3"}'])])
-        await send_raw(service_url, topic, chained)
+        await send_stale_chain(service_url, topic, first_id, [3])
         await m.write(lambda s: [incr("d")])
         assert await seen_by(m) == {"a": 1, "x": 1, "c": 1, "d": 1}
         assert m.stats.records_rejected == 3

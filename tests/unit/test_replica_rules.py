@@ -72,6 +72,38 @@ def feed(target: Replica[dict[str, Any], Any], records: list[Record], start: int
         target.on_message(RawMessage(encode_record(each), LogPosition(1, entry)))
 
 
+def mark_of(target: Replica[dict[str, Any], Any]) -> LogMark:
+    """Where a snapshot taken of ``target`` now resumes (as its stored mark would)."""
+    assert target.applied_at is not None
+    return LogMark(
+        target.version,
+        target.last_record_id,
+        target.applied_at,
+        target.origin,
+        target.stale_at_applied,
+    )
+
+
+def resume(
+    state: dict[str, Any], mark: LogMark, log: list[Record]
+) -> tuple[Replica[dict[str, Any], Any], Owner]:
+    """A replica loaded at ``mark`` with ``state``, fed the rest of ``log`` until it halts."""
+    resumed, owner = replica()
+    resumed.load(
+        copy.deepcopy(state),
+        mark.position,
+        mark.record_id,
+        mark.log_position,
+        mark.origin,
+        mark.stale,
+    )
+    for entry in range(mark.log_position.entry + 1, len(log)):
+        feed(resumed, [log[entry]], start=entry)
+        if resumed.halt is not None:
+            break
+    return resumed, owner
+
+
 # A writer's pipelined batch B/1 -> B/2 -> B/3 lands after another record X on B/1's base
 # (a record sent before the writer was fenced and persisted late, or an earlier attempt):
 # B/1 is stale, and so is every record built on it.
@@ -103,9 +135,7 @@ def test_a_replica_resuming_where_the_last_record_was_accepted_agrees() -> None:
     feed(first, LOG[:3])  # read up to the stale B/1
     assert first.read_to == LogPosition(1, 2)
     assert first.applied_at == LogPosition(1, 1)
-    resumed, owner = replica()
-    resumed.load(copy.deepcopy(first.state), first.version, first.last_record_id, first.applied_at)
-    feed(resumed, LOG[2:], start=2)
+    resumed, owner = resume(first.state, mark_of(first), LOG)
     assert resumed.halt is None
     assert owner.rejected == ["B/1", "B/2", "B/3"]
     assert resumed.state == {"a": 1, "x": 2, "c": 1}
@@ -191,17 +221,9 @@ def test_a_replica_resuming_after_the_record_inside_a_stale_chain_agrees() -> No
     assert first.stale_at_applied == (("B/2", 3),)
     mark = store.marks[-1]
     assert (mark.position, mark.record_id, mark.stale) == (3, "C/1", (("B/2", 3),))
-    assert mark.log_position == first.applied_at == LogPosition(1, 4)
-    resumed, owner = replica()
-    resumed.load(
-        copy.deepcopy(first.state),
-        mark.position,
-        mark.record_id,
-        mark.log_position,
-        None,
-        mark.stale,
-    )
-    feed(resumed, INTERRUPTED[5:], start=5)
+    assert mark == mark_of(first)
+    assert mark.log_position == LogPosition(1, 4)
+    resumed, owner = resume(first.state, mark, INTERRUPTED)
     assert resumed.halt is None
     assert owner.rejected == ["B/3"]
     assert resumed.state == {"a": 1, "x": 2, "c": 1, "d": 1}
@@ -230,19 +252,9 @@ def test_a_replica_resuming_from_any_mark_decides_as_one_that_read_everything(af
     store = Store()
     first.durable = store  # type: ignore[assignment]
     feed(first, AHEAD[:after])
-    assert first.applied_at is not None
-    resumed, owner = replica()
-    resumed.load(
-        copy.deepcopy(first.state),
-        first.version,
-        first.last_record_id,
-        first.applied_at,
-        None,
-        first.stale_at_applied,
-    )
-    assert first.stale_at_applied == store.marks[-1].stale
-    start = first.applied_at.entry + 1
-    feed(resumed, AHEAD[start:], start=start)
+    assert store.marks[-1] == mark_of(first)
+    resumed, owner = resume(first.state, mark_of(first), AHEAD)
+    start = mark_of(first).log_position.entry + 1
     assert resumed.halt is None
     assert (resumed.state, resumed.version) == (whole.state, whole.version)
     assert owner.rejected == [
@@ -270,9 +282,7 @@ def test_stale_records_past_the_bound_are_forgotten_alike_by_every_replica(
     first, _owner = replica()
     feed(first, log[:6])
     assert first.stale_at_applied == (("B/3", 4),)
-    resumed, _owner = replica()
-    resumed.load({}, first.version, first.last_record_id, first.applied_at, None, (("B/3", 4),))
-    feed(resumed, log[6:], start=6)
+    resumed, _owner = resume(first.state, mark_of(first), log)
     assert isinstance(whole.halt, ForkedHistoryError)
     assert isinstance(resumed.halt, ForkedHistoryError)
 
@@ -320,10 +330,5 @@ def test_a_replica_resumed_at_any_accept_ends_as_one_that_read_everything(seed: 
         if whole.halt is not None:
             break
     for state, mark in resumed_from:
-        resumed, _owner = replica()
-        resumed.load(state, mark.position, mark.record_id, mark.log_position, None, mark.stale)
-        for entry in range(mark.log_position.entry + 1, len(log)):
-            feed(resumed, [log[entry]], start=entry)
-            if resumed.halt is not None:
-                break
+        resumed, _owner = resume(state, mark, log)
         assert outcome(resumed) == outcome(whole), (mark, log)
