@@ -886,6 +886,13 @@ class Writer:
         records, unchanged = self._build_now()
         if unchanged and not await self._settle_unchanged(unchanged, records):
             return []
+        if unchanged and any(w.future.done() for o in records for w in o.writes):
+            # A write of these records ended while the state was confirmed (its deadline
+            # passed, its caller cancelled): it was told nothing was appended, so it must not
+            # be. The records are a chain, so the others are built again without it.
+            again = [w for o in records for w in o.writes if not w.future.done()]
+            self._pending.requeue(again, retry_count=False)
+            return []
         return records
 
     def _build_now(self) -> tuple[list[OutgoingRecord[PendingWrite]], list[PendingWrite]]:

@@ -11,6 +11,7 @@ import pytest
 
 from pulsar_state import (
     BrokerUnavailableError,
+    OperationTimeoutError,
     PulsarStateError,
     ReplicaHaltedError,
     WriteOutcomeUnknownError,
@@ -170,4 +171,41 @@ async def test_a_write_built_beside_a_write_of_no_ops_whose_check_failed_is_retr
         assert failures
         assert nothing.value in (1, 2)
         assert something.position == 2
+        assert await seen_by(manager) == {"a": 1, "b": 1}
+
+
+@pytest.mark.parametrize("ending", ["deadline", "cancel"])
+async def test_a_write_that_ended_while_its_batch_checked_its_state_is_never_sent(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    # One batch: a write with no ops (so the batch first checks that its state is the
+    # latest: a tail round trip, slow here) and a write with ops that ends meanwhile, told
+    # "timed out; nothing was appended" (or cancelled by its caller). Before: its record
+    # was sent anyway once the check passed, and applied (from helper 37's review).
+    bounded = Writer._bounded
+    slowed: list[str] = []
+
+    async def slow_once(self: Writer, awaitable: Any, what: str) -> None:
+        if "writes with no ops" in what and not slowed:
+            slowed.append(what)
+            await asyncio.sleep(0.6)
+        await bounded(self, awaitable, what)
+
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        await manager.write(lambda s: [incr("a")])
+        monkeypatch.setattr(Writer, "_bounded", slow_once)
+        nothing = asyncio.ensure_future(manager.write(lambda s: []))
+        timeout = 0.2 if ending == "deadline" else None
+        doomed = asyncio.ensure_future(manager.write(lambda s: [incr("doomed")], timeout=timeout))
+        if ending == "cancel":
+            await asyncio.sleep(0.2)
+            doomed.cancel()
+        with pytest.raises(
+            OperationTimeoutError if ending == "deadline" else asyncio.CancelledError
+        ):
+            await doomed
+        await nothing
+        assert slowed
+        after = await manager.write(lambda s: [incr("b")])
+        assert after.position == 2
         assert await seen_by(manager) == {"a": 1, "b": 1}
