@@ -776,7 +776,15 @@ class Writer:
             batch.append((payload, record))
         if not batch:
             return
-        sends = [producer.send_nowait(payload, key=record.record_id) for payload, record in batch]
+        sends: list[Awaitable[LogPosition]] = []
+        for payload, record in batch:
+            if sends and producer.refused:
+                # The client refused the one before inside its send call (too large for this
+                # broker, say): the records after it may be built on it (a sender's chain),
+                # and appended they would halt every replica. Their senders retry them.
+                sends.append(_not_sent())
+                continue
+            sends.append(producer.send_nowait(payload, key=record.record_id))
         acked: list[LogPosition] = []
         failure: BaseException | None = None
         for (payload, record), send in zip(batch, sends, strict=True):

@@ -12,7 +12,7 @@ from typing import Any
 import pulsar.asyncio as pulsar_asyncio
 import pytest
 
-from pulsar_state import SharedStateManager, WriteOutcomeUnknownError
+from pulsar_state import PulsarStateError, SharedStateManager, WriteOutcomeUnknownError
 from pulsar_state._envelope import Record, Write, encode_record
 from pulsar_state._relay import TURN_REQUEST, Relay, is_release_notice, release_notice
 from pulsar_state._writer import Writer
@@ -363,6 +363,46 @@ async def test_a_sender_batch_of_several_records_is_appended_whole(
         # (The sender may read them back before the holder counts them.)
         await until(lambda: holder.stats.relayed_appended == 5, "all five appended")
         assert (await holder.read(lambda s: s["count"], latest=True)) == 6
+
+
+async def test_a_holder_whose_client_refuses_a_relayed_record_sends_none_built_on_it(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The holder's client refuses the first link of a chain relayed to it, inside its send
+    # call (too large for the holder's broker, say). Before: the holder still sent the
+    # next links, built on a record the log never got, and every replica halted as forked
+    # (from helper 37's review).
+    async with counter_manager(service_url, topic, admin_url, **HOLD) as holder:
+        await holder.write(lambda state: [incr("holder")])
+        writer = writer_of(holder)
+        producer = writer._producer
+        assert producer is not None
+        send_nowait = producer.send_nowait
+        sent: list[str] = []
+
+        def refusing_the_first(
+            payload: bytes, *, key: str, on_settled: Callable[[], None] | None = None
+        ) -> asyncio.Future[Any]:
+            sent.append(key)
+            if key == "X/1":
+                producer.refused = True  # as the client's own check refusing it does
+                failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                failed.set_exception(PulsarStateError("injected: the client refused it"))
+                return failed
+            return send_nowait(payload, key=key, on_settled=on_settled)
+
+        producer.send_nowait = refusing_the_first  # type: ignore[method-assign]
+        base, base_id = holder.position, holder._replica.last_record_id  # test-only peek
+        for seq in (1, 2, 3):  # X's chain, relayed whole
+            op = f'{{"op":"incr","id":"x{seq}"}}'.encode()
+            link = Record("X", seq, base + seq - 1, base_id, [Write(seq, [op])])
+            base_id = link.record_id
+            writer.accept_foreign(encode_record(link))
+        await until(lambda: writer._producer is None, "the holder lets the writer go")
+        assert sent == ["X/1"]
+        await holder.write(lambda state: [incr("after")])
+        assert holder.halted is None
+        assert await seen_by(holder) == {"holder": 1, "after": 1}
 
 
 async def test_a_holder_with_only_relayed_records_still_gives_turns(
