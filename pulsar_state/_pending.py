@@ -125,6 +125,8 @@ class PendingWrites:
         self.queue: deque[PendingWrite] = deque()
         self.deadlines: list[tuple[float, int, PendingWrite]] = []
         self._in_flight: dict[str, list[PendingWrite]] = {}
+        # The position each record in flight claims (its base's + 1): see skipped_to.
+        self._claims: dict[str, int] = {}
         self._write_seq = itertools.count(1)
         self.wake = asyncio.Event()
         # Set whenever the replica settles (claims or rejects) a record of ours in flight.
@@ -298,6 +300,34 @@ class PendingWrites:
             for record_id, writes in self._in_flight.items()
             if any(not p.future.done() for p in writes)
         }
+        self._claims = {r: claim for r, claim in self._claims.items() if r in self._in_flight}
+
+    def _take_in_flight(self, record_id: str) -> list[PendingWrite] | None:
+        self._claims.pop(record_id, None)
+        return self._in_flight.pop(record_id, None)
+
+    def skipped_to(self, version: int) -> None:
+        """The replica loaded a snapshot at ``version`` without reading the records before
+        it (it fell forward over a trimmed log). A record of ours in flight claiming a
+        position up to ``version`` may be in that snapshot or may have been ignored: nobody
+        can tell now. Its writes end as WriteOutcomeUnknownError and are never retried (a
+        retry, built on the snapshot's state, would apply a write that is in it twice)."""
+        skipped = [record_id for record_id, claim in self._claims.items() if claim <= version]
+        for record_id in skipped:
+            for pending in self._take_in_flight(record_id) or ():
+                pending.outstanding.discard(record_id)
+                if not pending.future.done():
+                    wid = write_id(self._writer_id, pending.write_seq)
+                    pending.future.set_exception(
+                        WriteOutcomeUnknownError(
+                            f"write {wid}: its record was in a part of the log trimmed before "
+                            f"this replica read it (it loaded a snapshot at position {version} "
+                            "instead); it was applied once or not at all",
+                            write_id=wid,
+                        )
+                    )
+        if skipped:
+            self.settled.set()
 
     def fail_timeout(self, pending: PendingWrite) -> None:
         pending.future.set_exception(self._timeout_error(pending))
@@ -330,6 +360,7 @@ class PendingWrites:
         for outgoing in records:
             record_id = outgoing.record.record_id
             self._in_flight[record_id] = outgoing.writes
+            self._claims[record_id] = outgoing.record.base_position + 1
             for pending in outgoing.writes:
                 pending.latest_record = record_id
                 pending.outstanding.add(record_id)
@@ -343,7 +374,7 @@ class PendingWrites:
 
     def claim(self, record_id: str) -> RecordClaim | None:
         """The replica accepts ``record_id``: hand it the writes to complete, if ours."""
-        writes = self._in_flight.pop(record_id, None)
+        writes = self._take_in_flight(record_id)
         if not writes:
             return None
         self.settled.set()
@@ -351,7 +382,7 @@ class PendingWrites:
 
     def reject(self, record_id: str) -> None:
         """The replica ignored ``record_id`` (stale): retry the writes it decided."""
-        writes = self._in_flight.pop(record_id, None)
+        writes = self._take_in_flight(record_id)
         if not writes:
             return
         self.settled.set()
@@ -391,7 +422,7 @@ class PendingWrites:
         still in flight, with its record (whose id it no longer waits for)."""
         for outgoing in records:
             record_id = outgoing.record.record_id
-            if self._in_flight.pop(record_id, None) is None:
+            if self._take_in_flight(record_id) is None:
                 continue
             for pending in outgoing.writes:
                 pending.outstanding.discard(record_id)
@@ -424,3 +455,4 @@ class PendingWrites:
                     error.__cause__ = cause
                     pending.future.set_exception(error)
         self._in_flight.clear()
+        self._claims.clear()
