@@ -297,9 +297,9 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         self._replica.on_halt.append(self._pending.fail_in_flight)
         # A fall-forward skips records: ours among them end with an unknown outcome (first,
         # before any listener of the replaced state).
-        self._replica.on_state_replaced.append(
-            lambda: self._pending.skipped_to(self._replica.version)
-        )
+        # (Not through self: the running parts must not lead back to the manager.)
+        pending, replica = self._pending, self._replica
+        replica.on_state_replaced.append(lambda: pending.skipped_to(replica.version))
         # And those the writer held (a batch being built or checked): it stops at a halt. A
         # loop turn later: a record being applied as it halted ends its writes first, with
         # what is known of them (in the log, so other replicas apply them).
