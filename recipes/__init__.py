@@ -12,7 +12,14 @@
 """
 
 from ._lease_sync import SyncEventStream, SyncLeaderElection, SyncMembership
-from ._lease_table import Lease, LeaseEvent, NotHeldError, StaleTokenError, UnknownResourceError
+from ._lease_table import (
+    Lease,
+    LeaseEvent,
+    LeaseTableCodec,
+    NotHeldError,
+    StaleTokenError,
+    UnknownResourceError,
+)
 from ._map_disk import DiskStore, LocalStoreError
 from ._map_ops import FrozenDict, FrozenList, MapEntry, MapEvent, MapVersion, thaw
 from ._map_sync import SyncMapWatch, SyncPulsarMap
@@ -36,6 +43,7 @@ __all__ = [
     "LeaderElection",
     "Lease",
     "LeaseEvent",
+    "LeaseTableCodec",
     "LocalStoreError",
     "MapEntry",
     "MapEvent",

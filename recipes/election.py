@@ -19,6 +19,8 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from pulsar_state import PulsarStateError
+
 from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError
 from ._streams import EventStream
 from .ownership import OneLeaseRecipe
@@ -92,8 +94,13 @@ class LeaderElection(OneLeaseRecipe):
 
     @property
     def lease(self) -> Lease | None:
-        """This candidate's lease while it leads (its token fences writes), else None."""
-        return self._lease
+        """This candidate's lease while it leads (its token fences writes), else None: once
+        the local replica or this clock says the lease ended (expired, released, or this
+        election closed or halted), not the lease it won last."""
+        try:
+            return self._lease if self.is_leader() else None
+        except PulsarStateError:  # closed or halted: it leads no more, as far as it knows
+            return None
 
     def is_leader(self, *, margin: float = 0.0) -> bool:
         """Whether this candidate leads, per the local replica and this clock (``margin`` s

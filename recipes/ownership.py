@@ -60,6 +60,7 @@ from ._lease_table import (
     Lease,
     LeaseEvent,
     LeaseTable,
+    LeaseTableCodec,
     Mode,
     NotHeldError,
     check_names,
@@ -114,6 +115,13 @@ class Ownership:
         resources: the names this table manages; others raise UnknownResourceError. None
             (default): any non-empty str.
         reap: append expiry ticks when a lease is past due by this process's clock.
+        snapshots: enable snapshots of the table (:class:`LeaseTableCodec`): give
+            ``snapshot_every_records`` too (or call ``manager.snapshot()``), and opening
+            loads the newest one and replays only the records after it. Every renewal is a
+            record (a lease kept alive writes one every ``ttl / 3``), so without snapshots
+            opening replays the table's whole history. ``trim_history`` is refused: a
+            replica that fell forward over trimmed records would miss the grants its waiting
+            requests wait for.
         **manager_options: passed to :class:`~pulsar_state.SharedStateManager`.
             ``takeover_after_s`` defaults to 1 s here (the core's default never takes over):
             a process frozen while it holds the topic's writer is fenced off after 1 s, so
@@ -138,11 +146,20 @@ class Ownership:
         owner: str | None = None,
         resources: Iterable[str] | None = None,
         reap: bool = True,
+        snapshots: bool = False,
         **manager_options: Any,
     ) -> None:
-        reserved = sorted(STATE_MACHINE_OPTIONS & manager_options.keys())
+        reserved = sorted((STATE_MACHINE_OPTIONS | {"snapshot_codec"}) & manager_options.keys())
         if reserved:
-            raise ConfigurationError(f"Ownership sets {', '.join(reserved)} itself")
+            hint = (
+                " (snapshots=True gives it its own codec)" if "snapshot_codec" in reserved else ""
+            )
+            raise ConfigurationError(f"Ownership sets {', '.join(reserved)} itself{hint}")
+        if manager_options.get("trim_history"):
+            raise ConfigurationError(
+                "Ownership does not trim its table's history (trim_history): a replica that "
+                "fell forward over trimmed records would miss the grants its requests wait for"
+            )
         if owner is not None and (not isinstance(owner, str) or not owner):
             raise ConfigurationError(f"owner must be a non-empty str, not {owner!r}")
         self.owner = owner or default_owner()
@@ -167,6 +184,7 @@ class Ownership:
             copy_state=LeaseTable.copy,
             trial_state=LeaseTable.trial,
             adopt_trial=LeaseTable.adopt,
+            snapshot_codec=LeaseTableCodec() if snapshots else None,
             **manager_options,
         )
         # A halt ends everything this Ownership waits for (see _on_halt).

@@ -142,6 +142,12 @@ async def test_bad_input_is_refused_before_anything_is_written(
             Ownership(service_url, topic, owner="")
         with pytest.raises(ConfigurationError, match="sets apply"):
             Ownership(service_url, topic, apply=lambda s, o: None)
+        with pytest.raises(ConfigurationError, match=r"snapshot_codec itself \(snapshots=True"):
+            Ownership(service_url, topic, snapshot_codec=object())
+        with pytest.raises(ConfigurationError, match="trim_history"):
+            Ownership(service_url, topic, snapshots=True, trim_history=True)
+        with pytest.raises(ConfigurationError, match="ten years"):
+            await a.acquire("a", ttl=0.0001)
         assert await a.manager.sync() == position  # nothing was written
 
         lease = await a.acquire("a")
@@ -226,6 +232,48 @@ async def test_election_and_leaders_stream(service_url: str, admin_url: str, top
         assert await watcher.current_leader() is None
         with pytest.raises(NotHeldError):
             await two.resign()
+
+
+async def test_an_election_lease_is_none_once_it_ended(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Before: ``lease`` went on returning the lease won last, after it expired (its holder
+    # stopped renewing), though its docstring says None once the candidate no longer leads.
+    options = recipe_options(admin_url)
+    async with LeaderElection(service_url, topic, name="one", ttl=1.0, **options) as one:
+        await one.campaign()
+        lease = one.lease
+        assert lease is not None
+        one._ownership._stop_keeping(lease.id)  # test-only: as a holder frozen past its TTL
+        await until(lambda: one.lease is None, "the lease ended")
+        assert not one.is_leader()
+    assert one.lease is None  # closed
+
+
+async def test_a_table_opens_from_its_snapshot(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Every renewal is a record: without snapshots a table's open replays its whole history.
+    async with (
+        owners(service_url, topic, admin_url, owner="a", snapshots=True) as a,
+        owners(service_url, topic, admin_url, owner="b") as b,
+    ):
+        held = await a.acquire(["x", "y"])
+        reader = await b.acquire("z", mode="read")
+        waiting = asyncio.ensure_future(b.acquire("x"))
+        await until(lambda: len(a.read_local(lambda t: t.waiting())) == 1, "b waits for x")
+        manifest = await a.manager.snapshot()
+        async with owners(service_url, topic, admin_url, owner="c", snapshots=True) as c:
+            assert c.manager.stats.snapshot_loaded_position == manifest.position
+            assert await c.leases(latest=True) == await a.leases(latest=True)
+            assert [x.id for x in c.read_local(lambda t: t.waiting())] != []
+            await a.release(held)
+            granted = await asyncio.wait_for(waiting, 30)
+            assert granted.token > max(held.token, reader.token)
+            assert await c.holders("x", latest=True) == [granted]
+            await b.release(granted)
+            await b.release(reader)
+            assert await c.leases(latest=True) == []
 
 
 async def test_membership_events(service_url: str, admin_url: str, topic: str) -> None:
