@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import random
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -329,6 +330,18 @@ def _random_op(rng: random.Random, now: float) -> dict[str, Any]:
     return {"op": "tick", "now": now}
 
 
+def _random_records(
+    rng: random.Random, count: int
+) -> Iterator[tuple[int, float, list[dict[str, Any]]]]:
+    """(position, clock, ops) of ``count`` records of one to three random ops each; clocks
+    may go back (the max counts)."""
+    now = 0.0
+    for position in range(1, count + 1):
+        now += rng.choice([0.0, 0.05, 0.3, 1.0, -0.5])
+        ops = [_random_op(rng, now + rng.random() * 0.1) for _ in range(rng.randint(1, 3))]
+        yield position, now, ops
+
+
 def _same(table: LeaseTable, oracle: ScanningTable) -> None:
     assert list(table.leases.items()) == list(oracle.leases.items())
     assert dict(table.holders) == oracle.holders
@@ -361,10 +374,7 @@ def test_the_indexed_table_decides_as_a_scan_of_every_lease_would(seed: int) -> 
     view (and a view of a view) changes nothing below it."""
     rng = random.Random(seed)
     table, oracle = LeaseTable(), ScanningTable()
-    now = 0.0
-    for position in range(1, 400):
-        now += rng.choice([0.0, 0.05, 0.3, 1.0, -0.5])  # clocks may go back: the max counts
-        ops = [_random_op(rng, now + rng.random() * 0.1) for _ in range(rng.randint(1, 3))]
+    for position, now, ops in _random_records(rng, 399):
         if rng.random() < 0.3:
             before = table.copy()
             view = table.trial()
@@ -399,11 +409,8 @@ def test_adopting_a_trial_view_gives_the_table_its_ops_give(seed: int) -> None:
     waiting queue in request order, holders, tokens, events, every lease's expiry entry)."""
     rng = random.Random(seed)
     table, oracle = LeaseTable(), ScanningTable()
-    now = 0.0
     adopted = 0
-    for position in range(1, 400):
-        now += rng.choice([0.0, 0.05, 0.3, 1.0, -0.5])
-        ops = [_random_op(rng, now + rng.random() * 0.1) for _ in range(rng.randint(1, 3))]
+    for position, _now, ops in _random_records(rng, 399):
         if rng.random() < 0.6:
             view = table.trial()
             LeaseTable.begin(view, position)
@@ -454,11 +461,8 @@ def test_a_table_loaded_from_its_snapshot_decides_as_the_table_it_was_taken_of(s
     codec = LeaseTableCodec()
     rng = random.Random(seed)
     table, oracle = LeaseTable(), ScanningTable()
-    now = 0.0
     loaded = 0
-    for position in range(1, 300):
-        now += rng.choice([0.0, 0.05, 0.3, 1.0, -0.5])
-        ops = [_random_op(rng, now + rng.random() * 0.1) for _ in range(rng.randint(1, 3))]
+    for position, _now, ops in _random_records(rng, 299):
         _record_both(table, oracle, position, ops)
         if rng.random() < 0.1:
             data = codec.encode(table)
