@@ -104,7 +104,12 @@ class SyncLeaderElection(_SyncOneLease[LeaderElection]):
 
     @property
     def lease(self) -> Lease | None:
-        return self._recipe.lease
+        # On the portal's loop, as every read of the replica (is_leader reads it); a stopped
+        # portal: closed, so it leads no more.
+        try:
+            return self._local(lambda: self._recipe.lease)
+        except ClosedError:
+            return None
 
     def is_leader(self, *, margin: float = 0.0) -> bool:
         return self._local(lambda: self._recipe.is_leader(margin=margin))

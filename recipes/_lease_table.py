@@ -509,17 +509,23 @@ class LeaseTableCodec:
             document = json.loads(data)
             if document["format"] != self._FORMAT:
                 raise ValueError(f"format {document['format']!r}, this version reads 1")
-            leases = {x.id: x for x in map(_lease_of, document["leases"])}
+            listed = [_lease_of(fields) for fields in document["leases"]]
+            leases = {x.id: x for x in listed}
+            if len(leases) != len(listed):
+                raise ValueError("a lease id twice")
             events = []
             for kind, fields, position in document["events"]:
                 if kind not in ("requested", "granted", "renewed", "released", "expired"):
                     raise ValueError(f"event {kind!r}")
                 events.append(LeaseEvent(kind, _lease_of(fields), int(position)))
+            if not isinstance(document["holders"], dict):
+                raise ValueError("holders is not an object")
             holders = {name: list(ids) for name, ids in document["holders"].items()}
-            for name, ids in holders.items():
-                for lease_id in ids:
-                    if name not in leases[lease_id].names or not leases[lease_id].held:
-                        raise ValueError(f"{name!r} held by {lease_id!r}, which does not hold it")
+            # Exactly the held leases on each of their names: a held lease missing there
+            # would let a later grant give its names to another writer.
+            held = sorted((name, x.id) for x in leases.values() if x.held for name in x.names)
+            if sorted((name, i) for name, ids in holders.items() for i in ids) != held:
+                raise ValueError("the holders are not the held leases' names")
             table = LeaseTable(
                 float(document["clock"]),
                 int(document["last_token"]),
@@ -550,4 +556,8 @@ def _lease_of(fields: list[Any]) -> Lease:
     lease_id, owner, names, mode, ttl, expires_at, token, position = fields
     if mode not in ("read", "write"):
         raise ValueError(f"mode {mode!r}")
+    if not isinstance(names, list) or not names or not all(map(_is_name, names)):
+        raise ValueError(f"names {names!r}")
+    if not _is_name(lease_id) or not _is_name(owner):
+        raise ValueError(f"lease {lease_id!r} of {owner!r}")
     return Lease(lease_id, owner, tuple(names), mode, ttl, expires_at, token, position)

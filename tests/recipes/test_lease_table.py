@@ -489,6 +489,14 @@ def test_a_table_loaded_from_its_snapshot_decides_as_the_table_it_was_taken_of(s
         b'"leases":[["x","o",["a"],"both",1.0,2.0,1,1]]}',
         b'{"format":1,"clock":0,"last_token":0,"position":0,"leases":[],"holders":{},'
         b'"events":[["stolen",["x","o",["a"],"read",1.0,2.0,1,1],1]]}',
+        b'{"format":1,"clock":0,"last_token":0,"position":0,"leases":[],"holders":[],"events":[]}',
+        # A held writer missing from the holders: a later grant would give "a" to another.
+        b'{"format":1,"clock":0,"last_token":1,"position":1,"holders":{},"events":[],'
+        b'"leases":[["x","o",["a"],"write",1.0,2.0,1,1]]}',
+        b'{"format":1,"clock":0,"last_token":1,"position":1,"holders":{},"events":[],'
+        b'"leases":[["x","o","ab","read",1.0,2.0,0,0]]}',
+        b'{"format":1,"clock":0,"last_token":0,"position":1,"holders":{},"events":[],'
+        b'"leases":[["x","o",["a"],"read",1.0,2.0,0,0],["x","o",["b"],"read",1.0,2.0,0,0]]}',
     ],
 )
 def test_a_damaged_table_snapshot_is_a_codec_error(data: bytes) -> None:
