@@ -488,7 +488,9 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         by every replica, or not at all.
 
         ``reader(state)`` runs on the state right after this write's ops were applied, and
-        its result is returned in :class:`WriteResult` (from the attempt that committed).
+        its result is returned in :class:`WriteResult` (from the attempt that committed). A
+        reader that raises makes ``write`` raise its exception, but the write stands: its
+        ops were applied, by every replica (read the state again to know what it holds).
 
         A generator that returns no ops appends nothing (a conditional write that decided
         not to change anything): the decision stands once this process has confirmed that

@@ -29,6 +29,7 @@ from tests.core.helpers import (
     counter_manager,
     incr,
     raw_producer,
+    seen_by,
     topic_message_count,
 )
 from tests.support.broker import admin_request
@@ -424,3 +425,15 @@ async def test_unreachable_broker_fails_open_with_a_clear_retriable_error(topic:
         await manager.open()
     assert failed.value.retriable
     assert manager.closed
+
+
+async def test_a_write_whose_reader_raises_stands(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # The reader runs once the write's ops were applied: its error is the caller's, and the
+    # write is in the log, applied by every replica (as the write() docstring says).
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        with pytest.raises(ZeroDivisionError):
+            await manager.write(lambda s: [incr("x")], reader=lambda s: 1 / 0)
+        async with counter_manager(service_url, topic, admin_url) as other:
+            assert await seen_by(other) == {"x": 1}
