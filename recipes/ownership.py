@@ -457,16 +457,18 @@ class Ownership:
                 self._mine.add(lease_id)
 
     async def _write_release(self, lease: Lease, timeout: float | None = None) -> None:
-        now = time.time()
-
         def generator(state: LeaseTable) -> list[dict[str, Any]]:
+            op = self._op("release", lease.id)
             current = state.leases.get(lease.id)
-            if current is None or current.expires_at <= max(state.clock, now):
+            # By the op's own clock: it is what the table expires leases by before applying
+            # it (a clock read earlier, when release was called, let a lease that expired
+            # while the write was queued be "released" by an op that expired it).
+            if current is None or current.expires_at <= max(state.clock, op["now"]):
                 raise NotHeldError(
                     f"lease {lease.id} on {list(lease.names)} is not held: it expired or was "
                     "already released"
                 )
-            return [self._op("release", lease.id)]
+            return [op]
 
         await self._manager.write(generator, timeout=timeout)
 

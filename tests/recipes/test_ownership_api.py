@@ -514,3 +514,31 @@ async def test_a_lock_taken_again_after_an_idle_spell_keeps_the_topic_writer(
         assert a.manager.stats.writer_releases == 0
         assert polled.manager.stats.writer_acquisitions == 2
         assert chosen.manager.stats.writer_acquisitions == 2
+
+
+async def test_a_release_that_returns_released_the_lease(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The release's check used the clock read when release() was called, its op the clock
+    # read later, when the write was built: a lease expiring in between was expired by the
+    # release's own op, and release() returned as if it had released it (so hold() did not
+    # raise NotHeldError). Here the clock jumps past the expiry after its first read.
+    import recipes.ownership as ownership_module
+
+    async with owners(service_url, topic, admin_url, reap=False) as a:
+        lease = await a.acquire("x", ttl=5, keep_alive=False)
+        kinds: list[str] = []
+        a.subscribe(lambda events, table: kinds.extend(e.kind for e in events))
+        reads = iter([time.time()])
+
+        class Clock:
+            def __getattr__(self, name: str) -> object:
+                return getattr(time, name)
+
+            def time(self) -> float:
+                return next(reads, time.time() + 60)  # the first read, then past the expiry
+
+        monkeypatch.setattr(ownership_module, "time", Clock())
+        await a.release(lease)  # returned: so the lease was released, not expired
+        await a.manager.sync()
+        assert kinds == ["released"]
