@@ -119,9 +119,10 @@ class Ownership:
             ``snapshot_every_records`` too (or call ``manager.snapshot()``), and opening
             loads the newest one and replays only the records after it. Every renewal is a
             record (a lease kept alive writes one every ``ttl / 3``), so without snapshots
-            opening replays the table's whole history. ``trim_history`` is refused: a
-            replica that fell forward over trimmed records would miss the grants its waiting
-            requests wait for.
+            opening replays the table's whole history. With ``trim_history`` too, the
+            broker deletes the history behind the kept snapshots; a replica that falls
+            forward over it tells what changed as the difference of the two tables (its
+            waiting requests granted or ended, its subscribers' streams told).
         **manager_options: passed to :class:`~pulsar_state.SharedStateManager`.
             ``takeover_after_s`` defaults to 1 s here (the core's default never takes over):
             a process frozen while it holds the topic's writer is fenced off after 1 s, so
@@ -155,11 +156,6 @@ class Ownership:
                 " (snapshots=True gives it its own codec)" if "snapshot_codec" in reserved else ""
             )
             raise ConfigurationError(f"Ownership sets {', '.join(reserved)} itself{hint}")
-        if manager_options.get("trim_history"):
-            raise ConfigurationError(
-                "Ownership does not trim its table's history (trim_history): a replica that "
-                "fell forward over trimmed records would miss the grants its requests wait for"
-            )
         if owner is not None and (not isinstance(owner, str) or not owner):
             raise ConfigurationError(f"owner must be a non-empty str, not {owner!r}")
         self.owner = owner or default_owner()
@@ -194,6 +190,9 @@ class Ownership:
         self._keepers: dict[str, asyncio.TimerHandle | asyncio.Task[None]] = {}
         self._mine: set[str] = set()  # ids of this Ownership's requests and leases
         self._subscribers: list[Subscriber] = []
+        # The table as of the last record this Ownership handled: after a fall-forward (a
+        # snapshot loaded past trimmed records), the old table object, to tell what changed.
+        self._seen: LeaseTable | None = None
         self._on_close: list[Callable[[PulsarStateError], None]] = []
         self._changed: asyncio.Event | None = None
         # When the reaper looks next (Unix time): a record wakes it only for an earlier expiry.
@@ -211,6 +210,7 @@ class Ownership:
             raise ClosedError(f"ownership table on {self.topic} is closed")
         self._changed = asyncio.Event()
         self._manager.add_listener(self._on_record)
+        self._manager.add_state_replaced_listener(self._on_state_replaced)
         await self._manager.open(timeout=timeout)
         self._opened = True
         if self._reap:
@@ -561,7 +561,38 @@ class Ownership:
         if self._manager.closed:
             return
         table: LeaseTable = self._manager.read_local(_whole)
-        events: list[LeaseEvent] = table.events
+        self._seen = table
+        self._on_events(table.events, table)
+
+    def _on_state_replaced(self) -> None:
+        """The replica fell forward to a snapshot (``trim_history``): the records skipped
+        are not known, so what changed is told as the difference of the two tables."""
+        if self._manager.closed:
+            return
+        table: LeaseTable = self._manager.read_local(_whole)
+        before, self._seen = self._seen, table
+        if before is not None and before is not table:
+            self._on_events(self._changes(before, table), table)
+
+    def _changes(self, before: LeaseTable, after: LeaseTable) -> list[LeaseEvent]:
+        """Events taking ``before`` to ``after``: a lease gone is told released (expired if
+        this process was keeping it alive), one new or now held granted (or requested while
+        it waits), one with another expiry renewed."""
+        position = after.position
+        events = [
+            LeaseEvent("expired" if lease_id in self._keepers else "released", lease, position)
+            for lease_id, lease in before.leases.items()
+            if lease_id not in after.leases
+        ]
+        for lease_id, lease in after.leases.items():
+            prior = before.leases.get(lease_id)
+            if prior is None or (lease.held and not prior.held):
+                events.append(LeaseEvent("granted" if lease.held else "requested", lease, position))
+            elif lease.expires_at != prior.expires_at:
+                events.append(LeaseEvent("renewed", lease, position))
+        return events
+
+    def _on_events(self, events: list[LeaseEvent], table: LeaseTable) -> None:
         for event in events:
             lease_id = event.lease.id
             if event.kind == "granted":
