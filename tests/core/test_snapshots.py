@@ -30,7 +30,7 @@ from pulsar_state import (
     _snapshots,
 )
 from pulsar_state._envelope import encode_chunk, encode_manifest
-from pulsar_state._pulsar import ReopeningReader
+from pulsar_state._pulsar import RawMessage, ReopeningReader
 from tests.core.helpers import Counter, apply_counter, counter_manager, incr, raw_producer
 from tests.support.broker import REPO, Broker, admin_request
 
@@ -488,7 +488,7 @@ async def test_a_failing_automatic_snapshot_waits_before_it_is_tried_again(
 
 
 async def test_a_slow_snapshot_index_read_is_an_operation_timeout(
-    service_url: str, admin_url: str, topic: str
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Before: a plain TimeoutError, which callers of the library's errors do not catch
     # (it escaped an automatic snapshot and halted a fall-forward).
@@ -496,7 +496,16 @@ async def test_a_slow_snapshot_index_read_is_an_operation_timeout(
         await m.write(lambda s: [incr("a")])
         await m.snapshot()
         store = m._snapshots._store  # test-only: the store's read of its index, made slow
-        store._timeout_s = 1e-6
+        store._timeout_s = 0.2
+        read_next = ReopeningReader.read_next
+
+        async def slow(self: ReopeningReader) -> RawMessage:
+            # Slow for sure: a timeout alone (1 us, as before) never fired when the message
+            # was already there (the read then never gave the event loop a turn).
+            await asyncio.sleep(1.0)
+            return await read_next(self)
+
+        monkeypatch.setattr(ReopeningReader, "read_next", slow)
         with pytest.raises(OperationTimeoutError, match="snapshot index"):
             await store.manifests()
 
