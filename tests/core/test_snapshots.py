@@ -487,6 +487,17 @@ async def test_a_failing_automatic_snapshot_waits_before_it_is_tried_again(
         assert "automatic snapshot" in caplog.text
 
 
+def slow_reads(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every read of the snapshot store (``ReopeningReader.read_next``) waits ``seconds``."""
+    read_next = ReopeningReader.read_next
+
+    async def slow(self: ReopeningReader) -> RawMessage:
+        await asyncio.sleep(seconds)
+        return await read_next(self)
+
+    monkeypatch.setattr(ReopeningReader, "read_next", slow)
+
+
 async def test_a_slow_snapshot_index_read_is_an_operation_timeout(
     service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -497,15 +508,9 @@ async def test_a_slow_snapshot_index_read_is_an_operation_timeout(
         await m.snapshot()
         store = m._snapshots._store  # test-only: the store's read of its index, made slow
         store._timeout_s = 0.2
-        read_next = ReopeningReader.read_next
-
-        async def slow(self: ReopeningReader) -> RawMessage:
-            # Slow for sure: a timeout alone (1 us, as before) never fired when the message
-            # was already there (the read then never gave the event loop a turn).
-            await asyncio.sleep(1.0)
-            return await read_next(self)
-
-        monkeypatch.setattr(ReopeningReader, "read_next", slow)
+        # Slow for sure: a timeout alone (1 us, as before) never fired when the message was
+        # already there (the read then never gave the event loop a turn).
+        slow_reads(monkeypatch, 1.0)
         with pytest.raises(OperationTimeoutError, match="snapshot index"):
             await store.manifests()
 
@@ -585,13 +590,7 @@ async def test_a_snapshot_loads_as_long_as_its_chunks_keep_coming(
         assert manifest.chunks >= 6
         store = m._snapshots._store  # test-only: the store, its bound, its reads made slow
         store._timeout_s = 1.0
-        read_next = ReopeningReader.read_next
-
-        async def slow(self: ReopeningReader) -> Any:
-            await asyncio.sleep(0.3)
-            return await read_next(self)
-
-        monkeypatch.setattr(ReopeningReader, "read_next", slow)
+        slow_reads(monkeypatch, 0.3)
         data = await store.load(manifest)
         assert JsonCodec().decode(data) == await m.read(lambda s: s)
 
