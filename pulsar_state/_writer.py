@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -33,7 +34,6 @@ from tenacity import (
     RetryCallState,
     retry_if_exception,
     retry_if_exception_type,
-    stop_after_delay,
 )
 
 from ._context import Context
@@ -419,18 +419,21 @@ class Writer:
         loop = asyncio.get_running_loop()
         started = loop.time()
         asked_at = time.monotonic()  # a poller could have had the writer until about now
-        if ahead:
-            budget = min(settings.acquire_timeout_s, _AHEAD_BUDGET_S)
-            takeover = None
-        else:
-            budget = max(0.0, min(settings.acquire_timeout_s, self._latest_deadline() - started))
-            takeover = settings.takeover_after_s
+        takeover = None if ahead else settings.takeover_after_s
+
+        def ends_at() -> float:
+            # Asked at each attempt: a write queued meanwhile waits until its own deadline
+            # (with the first write's alone, it failed long before its own timeout).
+            if ahead:
+                return started + min(settings.acquire_timeout_s, _AHEAD_BUDGET_S)
+            return min(started + settings.acquire_timeout_s, self._latest_deadline())
+
         topic = str(self._topic)
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(is_transient),
                 wait=_acquire_pause,
-                stop=stop_after_delay(budget),
+                stop=lambda _: loop.time() >= ends_at(),
                 before_sleep=self._remember_failure,
                 reraise=True,
             ):
@@ -452,9 +455,7 @@ class Writer:
                             send_timeout_s=min(settings.write_timeout_s, 30.0),
                             # Capped: a creation hanging through a broker restart (apache/
                             # pulsar #10721) must not use up the whole budget in one attempt.
-                            timeout_s=max(
-                                1.0, min(_ACQUIRE_ATTEMPT_S, budget - (loop.time() - started))
-                            ),
+                            timeout_s=max(1.0, min(_ACQUIRE_ATTEMPT_S, ends_at() - loop.time())),
                         )
                     except WriterBusyError:
                         if ahead:
@@ -519,9 +520,10 @@ class Writer:
         return any(not w.future.done() for o in self._relayed for w in o.writes)
 
     def _latest_deadline(self) -> float:
+        # No write waiting: no deadline (the attempt at the writer returns on its own).
         relayed = [w.deadline for o in self._relayed for w in o.writes if not w.future.done()]
-        queued = [w.deadline for w in self._pending.queue]
-        return max(queued + relayed, default=asyncio.get_running_loop().time())
+        queued = [w.deadline for w in self._pending.queue if not w.future.done()]
+        return max(queued + relayed, default=math.inf)
 
     # ------------------------------------------------------------------ the relay
 

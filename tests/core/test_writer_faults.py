@@ -209,3 +209,28 @@ async def test_a_write_that_ended_while_its_batch_checked_its_state_is_never_sen
         after = await manager.write(lambda s: [incr("b")])
         assert after.position == 2
         assert await seen_by(manager) == {"a": 1, "b": 1}
+
+
+async def test_a_write_queued_while_another_waits_for_the_writer_keeps_its_own_timeout(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Without the write relay, so that the waiter's writes wait for the topic's writer.
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
+    async with (
+        counter_manager(service_url, topic, admin_url, **hold) as holder,
+        counter_manager(service_url, topic, admin_url, relay_writes=False) as waiter,
+    ):
+        await holder.write(lambda s: [incr()])
+        first = asyncio.ensure_future(waiter.write(lambda s: [incr("first")], timeout=1.0))
+        await asyncio.sleep(0.3)  # the waiter is trying to take the writer for the first
+        second = asyncio.ensure_future(waiter.write(lambda s: [incr("second")], timeout=30.0))
+        with pytest.raises(PulsarStateError):
+            await first
+        await asyncio.sleep(0.5)
+        # Before: the second failed with the first's WriterBusyError ("held the writer for
+        # 1.0s"), the attempt at the writer bounded by the first write's deadline only.
+        assert not second.done()
+        holder.release_writer()
+        await asyncio.wait_for(second, 30.0)
+        assert await seen_by(waiter) == {"second": 1}
+        assert await waiter.read(lambda s: s["count"], latest=True) == 2
