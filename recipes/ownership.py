@@ -29,7 +29,13 @@ ahead (``take_writer``), so a release within ``idle_release_s`` of it is one sen
 Failure semantics: as the core's. A call that times out raises
 :class:`~pulsar_state.OperationTimeoutError` (``acquire`` then withdraws its request); errors
 that say "nothing was written" (:class:`NotHeldError`, :class:`UnknownResourceError`,
-:class:`~pulsar_state.ConfigurationError`) are raised before anything is sent.
+:class:`~pulsar_state.ConfigurationError`) are raised before anything is sent. An ``acquire``
+that fails while its request may still land (:class:`~pulsar_state.WriteOutcomeUnknownError`:
+relayed, or sent and not seen in time) appends its withdrawal anyway before it raises, which
+either releases the request or makes it stale for every replica; if even that fails, the
+request is withdrawn whenever it shows up or is granted, and released at close. Either way a
+request that landed first is in the log, so subscribers (``leaders()``, membership streams)
+may see it requested or granted just before its withdrawal.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from pulsar_state import (
     PulsarStateError,
     ReplicaHaltedError,
     SharedStateManager,
+    WriterBusyError,
 )
 
 from ._lease_table import (
@@ -86,6 +93,20 @@ _TAKEOVER_AFTER_S = 1.0
 # against ZooKeeper's 3.9 and etcd's 3.2). Longer than a renewal's ttl / 3 (10 s TTL): a
 # holder renewing keeps the writer, and the others relay their renewals to it.
 _IDLE_RELEASE_WITH_RELAY_S = 5.0
+# Requests of failed acquires watched for a late landing (see Ownership._abandon): at most
+# this many, each until its TTL and this margin (for other writers' clocks) have passed.
+_MAX_ABANDONED = 1024
+_ABANDONED_MARGIN_S = 60.0
+_WITHDRAW_RETRY_S = 0.1
+_WITHDRAW_RETRY_MAX_S = 5.0
+# Failures of an acquire's write that say its request was not sent (nothing can land).
+_NOTHING_SENT = (
+    OperationTimeoutError,
+    WriterBusyError,
+    ConfigurationError,
+    ClosedError,
+    ReplicaHaltedError,
+)
 
 Subscriber = Callable[[list[LeaseEvent], LeaseTable], None]
 
@@ -189,6 +210,11 @@ class Ownership:
         # lease id -> the timer of its next renewal, or the task renewing it now
         self._keepers: dict[str, asyncio.TimerHandle | asyncio.Task[None]] = {}
         self._mine: set[str] = set()  # ids of this Ownership's requests and leases
+        # Requests of acquires that failed while their record could still land (sent or
+        # relayed, its outcome unknown): lease id -> Unix time after which this Ownership
+        # stops watching for it. One that lands is withdrawn at once (see _on_events).
+        self._abandoned: dict[str, float] = {}
+        self._withdrawals: set[asyncio.Task[None]] = set()
         self._subscribers: list[Subscriber] = []
         # The table as of the last record this Ownership handled: after a fall-forward (a
         # snapshot loaded past trimmed records), the old table object, to tell what changed.
@@ -225,20 +251,22 @@ class Ownership:
         self._stopping = True
         # The reaper and the keep-alives: renewal timers and renewals running now.
         background = [b for b in [self._reaper, *self._keepers.values()] if b is not None]
+        # And withdrawals of late requests (in _mine: the release below covers them).
+        background += self._withdrawals
         for work in background:
             work.cancel()
         for task in background:
             if isinstance(task, asyncio.Task):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        if release and self._opened and self._manager.halted is None:
-            mine = set(self._mine)
-            if mine:
-                with contextlib.suppress(PulsarStateError):
-                    await self._manager.write(
-                        lambda s: [self._op("release", i) for i in mine if i in s.leases],
-                        timeout=timeout,
-                    )
+        if (
+            release
+            and self._opened
+            and self._manager.halted is None
+            and (self._mine or self._abandoned)
+        ):
+            with contextlib.suppress(PulsarStateError):
+                await self._manager.write(self._releases_at_close, timeout=timeout)
         self._closed = True
         closed = ClosedError(f"ownership table on {self.topic} is closed")
         for future in self._pending.values():
@@ -250,6 +278,14 @@ class Ownership:
         for callback in self._on_close:
             callback(closed)
         await self._manager.aclose(timeout=timeout)
+
+    def _releases_at_close(self, state: LeaseTable) -> list[dict[str, Any]]:
+        # Read as the record is built: a watched request that showed up meanwhile is in
+        # _mine by then. One still watched for is released present or not (see _give_up).
+        now = time.time()
+        ids = [i for i in self._mine if i in state.leases]
+        ids += [i for i, until in self._abandoned.items() if until >= now and i not in ids]
+        return [self._op("release", i) for i in ids]
 
     async def __aenter__(self) -> Ownership:
         await self.open()
@@ -351,10 +387,12 @@ class Ownership:
                 return []
             return [op]
 
+        written = False
         try:
             result = await self._manager.write(
                 generator, reader=lambda s: s.leases.get(lease_id), timeout=_left(deadline)
             )
+            written = True
             lease = result.value
             if lease is None and not wait:
                 self._pending.pop(lease_id, None)
@@ -374,8 +412,8 @@ class Ownership:
             self._stop_keeping(lease_id)
             self._mine.discard(lease_id)
             if not isinstance(exc, NotHeldError):
-                await self._withdraw(lease_id)
-                self._count_while_in_table(lease_id)  # the withdraw may have failed
+                may_land = not written and not isinstance(exc, _NOTHING_SENT)
+                await self._give_up(lease_id, ttl, in_table=written, may_land=may_land)
             if isinstance(exc, TimeoutError) and not isinstance(exc, OperationTimeoutError):
                 raise OperationTimeoutError(
                     f"{list(wanted)} not granted for {mode} within {timeout}s"
@@ -384,14 +422,81 @@ class Ownership:
         self._pending.pop(lease_id, None)
         return lease
 
-    async def _withdraw(self, lease_id: str) -> None:
-        # Best effort (the caller is already failing): drop the request or the fresh grant.
+    async def _give_up(self, lease_id: str, ttl: float, *, in_table: bool, may_land: bool) -> None:
+        """Withdraw the request of an acquire that failed (best effort: the caller is failing
+        already). One whose record may still land (relayed, or sent and its outcome not seen
+        in time) is released whether or not it is in the table yet: built on the log's tail,
+        that release makes a request still on its way stale for every replica, or is
+        ignored (the request landed first) and built again after it, where it finds the
+        request. If the withdraw fails, the request is watched for (:meth:`_abandon`)."""
+        if in_table or may_land:
+            self._abandon(lease_id, ttl)  # first: it may show up while the withdraw is sent
+        if await self._withdraw(lease_id, fence=may_land):
+            self._abandoned.pop(lease_id, None)
+        else:
+            self._count_while_in_table(lease_id)
+
+    async def _withdraw(self, lease_id: str, *, fence: bool = False) -> bool:
+        """Release ``lease_id`` if the table has it (``fence``: whether or not); whether the
+        write was done. Shielded: a cancelled caller leaves it to finish."""
         with contextlib.suppress(PulsarStateError, asyncio.CancelledError):
             await asyncio.shield(
                 self._manager.write(
-                    lambda s: [self._op("release", lease_id)] if lease_id in s.leases else []
+                    lambda s: (
+                        [self._op("release", lease_id)] if fence or lease_id in s.leases else []
+                    )
                 )
             )
+            return True
+        return False
+
+    def _abandon(self, lease_id: str, ttl: float) -> None:
+        """Watch for the request ``lease_id`` of an acquire that gave up: withdrawn when it
+        shows up or is granted (:meth:`_withdraw_landed`), released at close."""
+        now = time.time()
+        for stale in [i for i, until in self._abandoned.items() if until < now]:
+            del self._abandoned[stale]
+        while len(self._abandoned) >= _MAX_ABANDONED:
+            evicted = next(iter(self._abandoned))  # the oldest
+            del self._abandoned[evicted]
+            logger.warning("no longer watching for request %s (too many watched)", evicted)
+        # By then a request that lands is already past due by every clock within the margin
+        # of ours (the table expires by the ops' clocks, and its op was stamped before the
+        # acquire failed): the next expiry tick drops it. One in the table has been granted
+        # (and withdrawn then) or expired.
+        self._abandoned[lease_id] = now + ttl + _ABANDONED_MARGIN_S
+
+    def _withdraw_landed(self, lease_id: str, lease: Lease) -> None:
+        """The request of an acquire that gave up showed up (or was granted) after all:
+        count it as this process's (so closing releases it) and withdraw it now, rather than
+        let it wait first in line or hold its names for its whole TTL with nobody to release
+        it."""
+        del self._abandoned[lease_id]
+        self._mine.add(lease_id)
+        if self._stopping:
+            return  # closing releases it
+        logger.info(
+            "request %s on %s showed up after its acquire gave up; withdrawing it",
+            lease_id,
+            list(lease.names),
+        )
+        task = asyncio.get_running_loop().create_task(
+            self._withdraw_until_gone(lease_id), name=f"ownership-withdraw-{lease_id}"
+        )
+        self._withdrawals.add(task)
+        task.add_done_callback(self._withdrawals.discard)
+
+    async def _withdraw_until_gone(self, lease_id: str) -> None:
+        # Whatever made the request late may make its withdraw fail too: try again, until
+        # the request is gone (released, expired) or this Ownership stops.
+        pause = _WITHDRAW_RETRY_S
+        while not self._stopping and not await self._withdraw(lease_id):
+            with contextlib.suppress(PulsarStateError):
+                if not self._manager.read_local(lambda s: lease_id in s.leases):
+                    return
+            logger.warning("withdrawing request %s failed; trying again in %.1fs", lease_id, pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _WITHDRAW_RETRY_MAX_S)
 
     async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
         """Extend ``lease`` to ``ttl`` (default its own) seconds from now; returns it renewed.
@@ -595,6 +700,8 @@ class Ownership:
     def _on_events(self, events: list[LeaseEvent], table: LeaseTable) -> None:
         for event in events:
             lease_id = event.lease.id
+            if event.kind in ("requested", "granted") and lease_id in self._abandoned:
+                self._withdraw_landed(lease_id, event.lease)
             if event.kind == "granted":
                 future = self._pending.pop(lease_id, None)
                 if future is not None and not future.done():
@@ -606,6 +713,7 @@ class Ownership:
                         NotHeldError(f"request {lease_id} {event.kind} before it was granted")
                     )
                 self._mine.discard(lease_id)
+                self._abandoned.pop(lease_id, None)
                 if lease_id in self._keepers:
                     if event.kind == "expired":
                         logger.warning(

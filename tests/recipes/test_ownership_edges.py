@@ -16,7 +16,10 @@ from pulsar_state import (
     PulsarStateError,
     ReplicaHaltedError,
     SharedStateManager,
+    WriteOutcomeUnknownError,
 )
+from pulsar_state._relay import TURN_REQUEST, is_release_notice
+from pulsar_state._writer import Writer
 from recipes import (
     LeaderElection,
     Membership,
@@ -270,3 +273,96 @@ async def test_a_leave_or_resign_that_failed_can_be_called_again(
         # while the table still held it.
         await give_up(timeout=WAIT_S)
         assert await one.ownership.leases(latest=True) == []
+
+
+class LateRelay:
+    """Every process's write relay delivers the records it receives ``hold_s`` after the
+    first, then in order (a holder's notice that it let the writer go at once), as on a
+    holder slow to read its relay. Requests for a turn at the writer are dropped: the
+    holder keeps it, and appends the records."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, hold_s: float) -> None:
+        self.held: list[tuple[Writer, bytes]] = []
+        self.delivered = False
+        accept = Writer.accept_foreign
+
+        def deliver() -> None:
+            self.delivered = True
+            for writer, payload in self.held:
+                accept(writer, payload)
+
+        def late(writer: Writer, payload: bytes) -> None:
+            if payload == TURN_REQUEST:
+                return
+            if self.delivered or is_release_notice(payload):
+                accept(writer, payload)
+                return
+            if not self.held:
+                asyncio.get_running_loop().call_later(hold_s, deliver)
+            self.held.append((writer, payload))
+
+        monkeypatch.setattr(Writer, "accept_foreign", late)
+
+
+@pytest.mark.parametrize("disk", ["free", "held"])
+async def test_a_request_that_lands_after_its_acquire_gave_up_is_withdrawn(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch, disk: str
+) -> None:
+    relay = LateRelay(monkeypatch, hold_s=1.0)
+    async with (
+        owners(service_url, topic, admin_url, owner="holder") as holder,
+        # Never fencing the holder (Ownership's default takes the writer over after 1 s).
+        owners(service_url, topic, admin_url, owner="requester", takeover_after_s=None) as req,
+    ):
+        seen: list[tuple[str, str]] = []
+        holder.subscribe(lambda events, _: seen.extend((e.kind, e.lease.owner) for e in events))
+        # Takes the topic's writer and keeps it: the requester's writes are relayed to it.
+        held = await holder.acquire("disk" if disk == "held" else "elsewhere", ttl=600.0)
+        await req.manager.sync(timeout=WAIT_S)
+        # The request lands after the acquire timed out (its outcome unknown then), and
+        # before the withdrawal the acquire appends on its way out.
+        with pytest.raises(WriteOutcomeUnknownError):
+            await req.acquire("disk", ttl=600.0, timeout=0.3)
+        await until(lambda: relay.delivered, "the relayed records delivered")
+        landed = ("granted" if disk == "free" else "requested", "requester")
+        # Before: nothing was withdrawn (the request was not in the table yet), so the
+        # request held "disk" (or waited for it, first in line) for its whole TTL, ten
+        # minutes, with nobody to release it.
+        await until(lambda: ("released", "requester") in seen, "the request withdrawn")
+        assert seen.index(landed) < seen.index(("released", "requester"))
+        assert req._abandoned == {}  # the withdrawal was appended: nothing left to watch
+        if disk == "held":
+            await holder.release(held)
+        lease = await holder.acquire("disk", ttl=600.0, timeout=10.0)
+        assert [h.id for h in holder.holders_local("disk")] == [lease.id]
+
+
+async def test_a_request_that_lands_as_its_table_closes_is_released(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    relay = LateRelay(monkeypatch, hold_s=1.5)
+    async with owners(service_url, topic, admin_url, owner="holder") as holder:
+        seen: list[tuple[str, str]] = []
+        holder.subscribe(lambda events, _: seen.extend((e.kind, e.lease.owner) for e in events))
+        await holder.acquire("elsewhere", ttl=600.0)  # takes the topic's writer, keeps it
+        requester = owners(
+            service_url,
+            topic,
+            admin_url,
+            owner="requester",
+            takeover_after_s=None,
+            write_timeout_s=1.0,  # the withdrawal times out too, before the request lands
+        )
+        async with requester:
+            await requester.manager.sync(timeout=WAIT_S)
+            with pytest.raises(WriteOutcomeUnknownError):
+                await requester.acquire("disk", ttl=600.0, timeout=0.3)
+            assert not relay.delivered
+        # Closed while the request was on its way (it landed during the close). Before: the
+        # close released nothing (the request was not this process's yet), and it held
+        # "disk" for its whole TTL.
+        await until(lambda: relay.delivered, "the relayed records delivered")
+        await until(lambda: ("released", "requester") in seen, "the request released")
+        assert ("granted", "requester") in seen
+        lease = await holder.acquire("disk", ttl=600.0, timeout=10.0)
+        assert [h.id for h in holder.holders_local("disk")] == [lease.id]
