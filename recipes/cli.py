@@ -59,7 +59,7 @@ from pulsar_state._pulsar import LogMessage, read_log
 
 from ._map_ops import MapVersion
 from ._map_watch import MapWatch
-from .map import PulsarMap
+from .map import FENCE_PREFIX, PROTECTED_PREFIXES, PulsarMap
 
 __all__ = ["main"]
 
@@ -165,6 +165,42 @@ class BadInput(Exception):
 def _deleting(keys: list[Any]) -> Callable[[Mapping[Any, Any]], dict[Any, None]]:
     """A transact function deleting those of ``keys`` still bound."""
     return lambda view: {key: None for key in keys if key in view}
+
+
+def _is_fence(key: Any) -> bool:
+    return isinstance(key, str) and key.startswith(FENCE_PREFIX)
+
+
+def _kept_by_replace(key: Any) -> bool:
+    # The Spark sinks' markers and the fences are not data: a restore leaves them alone.
+    return isinstance(key, str) and key.startswith(PROTECTED_PREFIXES)
+
+
+def _loading(
+    entries: list[tuple[Any, Any]], replace: bool
+) -> Callable[[Mapping[Any, Any]], dict[Any, Any]]:
+    """A transact function putting ``entries`` (and with ``replace``, deleting the other
+    keys but the protected ones), where a fence in SOURCE lower than the map's is not put: a
+    fence that went down would let a holder that lost its lease write again."""
+
+    def changes(view: Mapping[Any, Any]) -> dict[Any, Any]:
+        wanted = {
+            key: value
+            for key, value in entries
+            if not (_is_fence(key) and _lowers(view.get(key), value))
+        }
+        if replace:
+            kept = {key for key, _ in entries}
+            wanted.update({k: None for k in view if k not in kept and not _kept_by_replace(k)})
+        return wanted
+
+    return changes
+
+
+def _lowers(current: Any, new: Any) -> bool:
+    if type(current) is not int:
+        return False
+    return type(new) is not int or new < current
 
 
 class PartialLoad(PulsarStateError):
@@ -608,7 +644,10 @@ def _entries_of(settings: Settings, source: Iterator[str]) -> list[tuple[Any, An
 @click.option(
     "--replace",
     is_flag=True,
-    help="Also delete the keys not in SOURCE (a restore); atomic with the load unless --chunk.",
+    help=(
+        "Also delete the keys not in SOURCE but the protected ones (a restore); atomic with "
+        "the load unless --chunk."
+    ),
 )
 @pass_settings
 def load(settings: Settings, source: Any, chunk: int | None, replace: bool) -> None:
@@ -617,7 +656,8 @@ def load(settings: Settings, source: Any, chunk: int | None, replace: bool) -> N
     Every line, key and value is checked (by the map's codecs too) before anything is
     written. Without --chunk all entries go in one atomic write; with it, each chunk is
     atomic, a failure names the entries loaded (exit 3), and --replace deletes the other keys
-    after the last chunk.
+    after the last chunk. --replace keeps the protected keys (the Spark sinks' markers, the
+    fences of fenced writes), and a fence in SOURCE lower than the map's is not loaded.
     """
 
     entries = _checked(settings, lambda: _read_entries(settings, iter(source)))
@@ -625,37 +665,46 @@ def load(settings: Settings, source: Any, chunk: int | None, replace: bool) -> N
     if len(keys) != len(entries):
         _fail("SOURCE names a key twice: refusing an ambiguous load", EXIT_USAGE)
 
+    fences = [(k, v) for k, v in entries if _is_fence(k)]
+    data = [(k, v) for k, v in entries if not _is_fence(k)]
+
     async def work(state_map: PulsarMap[Any, Any]) -> int:
         for key, value in entries:  # CodecError (exit 2) before any write
             state_map.check_entry(key, value)
         if chunk is None:
-            if replace:
-                wanted = dict(entries)
-
-                def restore(current: Any) -> dict[Any, Any]:
-                    stale = {k: None for k in current if k not in wanted}
-                    return {**stale, **wanted}
-
-                await state_map.transact(restore, timeout=settings.timeout)
+            if replace or fences:
+                await state_map.transact(_loading(entries, replace), timeout=settings.timeout)
             elif entries:
                 await state_map.put_all(entries, timeout=settings.timeout)
             return state_map.position
         done = 0
-        for begin in range(0, len(entries), chunk):
-            part = entries[begin : begin + chunk]
+        if fences:  # first, in one write: never lower than the map's (see _loading)
+            await state_map.transact(_loading(fences, False), timeout=settings.timeout)
+            done = len(fences)
+            click.echo(f"loaded {done}/{len(entries)} entries (the fences)", err=True)
+        for begin in range(0, len(data), chunk):
+            part = data[begin : begin + chunk]
             try:
                 await state_map.put_all(part, timeout=settings.timeout)
             except PulsarStateError as exc:
-                loaded = f"entries 1-{done} were loaded" if done else "no entry was loaded"
+                if fences:  # (loaded first: SOURCE's numbering no longer says which)
+                    loaded = f"{done} of the {len(entries)} entries, the fences first, were loaded"
+                    left = "the others were not"
+                else:
+                    loaded = f"entries 1-{done} were loaded" if done else "no entry was loaded"
+                    left = f"entries {done + 1}-{len(entries)} were not"
                 raise PartialLoad(
                     f"{type(exc).__name__}: {exc} (chunk {begin // chunk + 1} failed; {loaded}, "
-                    f"entries {done + 1}-{len(entries)} were not"
-                    f"{'; no key was deleted' if replace else ''})"
+                    f"{left}{'; no key was deleted' if replace else ''})"
                 ) from exc
             done += len(part)
             click.echo(f"loaded {done}/{len(entries)} entries", err=True)
         if replace:  # after the puts, a chunk at a time: a failed load never empties the map
-            stale = [k for k in await state_map.list_keys(latest=True) if k not in keys]
+            stale = [
+                k
+                for k in await state_map.list_keys(latest=True)
+                if k not in keys and not _kept_by_replace(k)
+            ]
             deleted = 0
             for begin in range(0, len(stale), chunk):
                 part_keys = stale[begin : begin + chunk]

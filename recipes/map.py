@@ -83,16 +83,22 @@ _RESERVED_OPTIONS = STATE_MACHINE_OPTIONS | {"snapshot_codec"}
 _CLEAR: MapOp[Any, Any] = MapOp("CLEAR")
 
 #: Keys under this prefix hold the bookkeeping of writers built on the map (the Spark sink's
-#: exactly-once batch markers): :meth:`PulsarMap.clear` keeps them and
-#: :meth:`PulsarMap.update_multiple` never visits them, so that clearing the data does not
-#: make a sink apply its batches again. Name such a key (``delete``, ``put``) to change it.
+#: exactly-once batch markers); see :data:`PROTECTED_PREFIXES`.
 PROTECTED_PREFIX = "__sink__/"
-# The first str after every key starting with PROTECTED_PREFIX ("/" + 1 is "0").
-_PROTECTED_PREFIX_END = PROTECTED_PREFIX[:-1] + chr(ord(PROTECTED_PREFIX[-1]) + 1)
+#: Keys under this prefix hold the largest fencing token each resource name has written with
+#: (:mod:`recipes.fencing`); see :data:`PROTECTED_PREFIXES`.
+FENCE_PREFIX = "__fence__/"
+#: :meth:`PulsarMap.clear` keeps the keys under these prefixes and
+#: :meth:`PulsarMap.update_multiple` never visits them: clearing the data must neither make a
+#: sink apply its batches again nor lower a fence (which would let a holder that lost its
+#: lease write again). Name such a key (``delete``, ``put``) to change it.
+PROTECTED_PREFIXES = (PROTECTED_PREFIX, FENCE_PREFIX)
+# Each prefix with the first str after every key it starts ("/" + 1 is "0").
+_PROTECTED_RANGES = tuple((p, p[:-1] + chr(ord(p[-1]) + 1)) for p in PROTECTED_PREFIXES)
 
 
 def _protected(key: Any) -> bool:
-    return isinstance(key, str) and key.startswith(PROTECTED_PREFIX)
+    return isinstance(key, str) and key.startswith(PROTECTED_PREFIXES)
 
 
 # The state's own methods, looked up on each call: a disk state and the trial overlay each
@@ -666,13 +672,17 @@ class PulsarMap(Generic[K, V]):
         return (await self._write(generator, lambda s: s.last_tag == tag, timeout)).value
 
     async def clear(self, *, timeout: float | None = None) -> int:
-        """Remove every key (but the protected ones: :data:`PROTECTED_PREFIX`) in one write;
+        """Remove every key (but the protected ones: :data:`PROTECTED_PREFIXES`) in one write;
         returns its position. Watches see one clear event (then the protected keys put back)."""
         codecs = self._codecs
 
         def generator(state: MapState[K, V]) -> list[MapOp[K, V]]:
-            # The protected keys are one key range: O(log n + kept), never a walk over the map.
-            kept = state.items_between(cast(K, PROTECTED_PREFIX), cast(K, _PROTECTED_PREFIX_END))
+            # Each prefix is one key range: O(log n + kept), never a walk over the map.
+            kept = [
+                item
+                for low, high in _PROTECTED_RANGES
+                for item in state.items_between(cast(K, low), cast(K, high))
+            ]
             if len(kept) == len(state.entries):
                 return []  # nothing to remove
             return [_CLEAR] + [

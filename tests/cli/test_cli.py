@@ -631,3 +631,26 @@ async def test_snapshot_verify_tells_a_trimmed_snapshot_from_a_damaged_one(
     statuses = [json.loads(line)["status"] for line in result.stdout.splitlines()]
     assert statuses == ["trimmed", "ok", "ok", "failed", "failed"]
     assert "2 of 5 snapshots failed" in result.stderr
+
+
+@pytest.mark.parametrize("chunk", [[], ["--chunk", "1"]], ids=["atomic", "chunked"])
+def test_a_restore_never_lowers_a_fence_nor_deletes_protected_keys(
+    broker: Broker, topic: str, chunk: list[str]
+) -> None:
+    for key, value in [("__fence__/db", "7"), ("__fence__/up", "2"), ("__sink__/job", "3")]:
+        ok(pulsar_state(broker, topic, "put", key, value))
+    ok(pulsar_state(broker, topic, "put", "stale", "0"))
+    source = "".join(
+        json.dumps({"key": key, "value": value}) + "\n"
+        for key, value in [("__fence__/db", 5), ("__fence__/up", 4), ("b", 2)]
+    )
+    ok(pulsar_state(broker, topic, "load", "--replace", *chunk, stdin=source))
+    dumped = ok(pulsar_state(broker, topic, "dump"))
+    # Before: the fence of "db" went back to 5 (a holder fenced out at 6 or 7 could write
+    # again), and the sink's marker was deleted (the sink would apply its batches again).
+    assert {d["key"]: d["value"] for d in map(json.loads, dumped.splitlines())} == {
+        "__fence__/db": 7,
+        "__fence__/up": 4,
+        "__sink__/job": 3,
+        "b": 2,
+    }
