@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
-from pulsar_state import ClosedError, OperationTimeoutError, PulsarStateError
+from pulsar_state import ClosedError, ConfigurationError, OperationTimeoutError, PulsarStateError
 
 from ._map_watch import WatchOverflowError
 
@@ -27,12 +27,24 @@ class EventStream(Generic[T]):
     """
 
     def __init__(self, initial: Iterable[T], *, max_queue: int) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ConfigurationError(f"max_queue must be an int >= 1, not {max_queue!r}")
         self._queue: deque[T] = deque(initial)
         self._max_queue = max_queue
         self._wake = asyncio.Event()
         self._error: PulsarStateError | None = None
         self._closed = False
         self.unsubscribe: Callable[[], None] = lambda: None
+
+    def watch(self, *unsubscribes: Callable[[], None]) -> None:
+        """Call each of ``unsubscribes`` (a subscription's remover) when the stream ends
+        (closed or failed): a stream closed early leaves nothing of it with its source."""
+
+        def unsubscribe() -> None:
+            for remove in unsubscribes:
+                remove()
+
+        self.unsubscribe = unsubscribe
 
     @property
     def closed(self) -> bool:

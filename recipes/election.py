@@ -68,10 +68,14 @@ class LeaderElection(OneLeaseRecipe):
         """Wait until this candidate leads (at most ``timeout`` s, then OperationTimeoutError
         and the candidacy is withdrawn); returns its term (the current one if it already
         leads). Leadership is kept alive until :meth:`resign` or close."""
-        if self._lease is not None and self._ownership.is_held(self._lease):
-            return Leader(self._lease.owner, self._lease.token, self._lease.position)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+        async with self._alone(deadline):
+            return await self._campaign(loop, deadline)
+
+    async def _campaign(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> Leader:
+        if self._lease is not None and self._ownership.is_held(self._lease):
+            return Leader(self._lease.owner, self._lease.token, self._lease.position)
         while True:
             left = None if deadline is None else max(0.0, deadline - loop.time())
             try:
@@ -137,6 +141,5 @@ class LeaderElection(OneLeaseRecipe):
                 last[0] = now
                 stream.push([now])
 
-        stream.unsubscribe = self._ownership.subscribe(on_change)
-        self._ownership.on_close(stream.fail)
+        stream.watch(self._ownership.subscribe(on_change), self._ownership.on_close(stream.fail))
         return stream

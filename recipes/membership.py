@@ -11,6 +11,7 @@ the same joins and leaves, in the same order, to every observer.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,12 +65,16 @@ class Membership(OneLeaseRecipe):
 
         ConfigurationError if this Membership has already joined and is still a member.
         """
-        if self._lease is not None and self._ownership.is_held(self._lease):
-            raise ConfigurationError(f"{self.name} has already joined")
-        self._lease = await self._ownership.acquire(
-            RESOURCE, mode="read", ttl=self.ttl, timeout=timeout
-        )
-        return self._lease
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        async with self._alone(deadline):
+            if self._lease is not None and self._ownership.is_held(self._lease):
+                raise ConfigurationError(f"{self.name} has already joined")
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            self._lease = await self._ownership.acquire(
+                RESOURCE, mode="read", ttl=self.ttl, timeout=left
+            )
+            return self._lease
 
     async def leave(self, *, timeout: float | None = None) -> None:
         """Leave the group. NotHeldError if not a member (never joined, left, or expired)."""
@@ -123,6 +128,5 @@ class Membership(OneLeaseRecipe):
                     changes.append(MemberEvent("leave", lease.owner, event.position, reason))
             stream.push(changes)
 
-        stream.unsubscribe = self._ownership.subscribe(on_change)
-        self._ownership.on_close(stream.fail)
+        stream.watch(self._ownership.subscribe(on_change), self._ownership.on_close(stream.fail))
         return stream

@@ -98,6 +98,8 @@ _IDLE_RELEASE_WITH_RELAY_S = 5.0
 _MAX_ABANDONED = 1024
 _ABANDONED_MARGIN_S = 60.0
 _WITHDRAW_RETRY_S = 0.1
+# A failed acquire's withdraw waits at most its timeout, and at least this long.
+_WITHDRAW_MIN_S = 1.0
 _WITHDRAW_RETRY_MAX_S = 5.0
 # Failures of an acquire's write that say its request was not sent (nothing can land).
 _NOTHING_SENT = (
@@ -226,6 +228,7 @@ class Ownership:
         self._reaper: asyncio.Task[None] | None = None
         self._opened = False
         self._stopping = False
+        self._closing = False  # aclose began: no request may be written any more
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -246,9 +249,9 @@ class Ownership:
 
     async def aclose(self, *, release: bool = True, timeout: float = 10.0) -> None:
         """Stop renewing; release this process's leases (``release=True``); disconnect."""
-        if self._closed:
+        if self._closed or self._closing:
             return
-        self._stopping = True
+        self._closing = self._stopping = True
         # The reaper and the keep-alives: renewal timers and renewals running now.
         background = [b for b in [self._reaper, *self._keepers.values()] if b is not None]
         # And withdrawals of late requests (in _mine: the release below covers them).
@@ -263,7 +266,7 @@ class Ownership:
             release
             and self._opened
             and self._manager.halted is None
-            and (self._mine or self._abandoned)
+            and (self._mine or self._abandoned or self._pending)
         ):
             with contextlib.suppress(PulsarStateError):
                 await self._manager.write(self._releases_at_close, timeout=timeout)
@@ -275,16 +278,26 @@ class Ownership:
                 future.exception()  # an acquire still waiting gets it; nobody else must
         self._pending.clear()
         self._keepers.clear()
-        for callback in self._on_close:
-            callback(closed)
+        self._tell_closed(closed)
         await self._manager.aclose(timeout=timeout)
+
+    def _tell_closed(self, error: PulsarStateError) -> None:
+        for callback in list(self._on_close):
+            try:
+                callback(error)
+            except Exception:
+                # One callback's bug must not keep the table open nor the other streams
+                # waiting forever.
+                logger.exception("an Ownership on_close callback raised")
 
     def _releases_at_close(self, state: LeaseTable) -> list[dict[str, Any]]:
         # Read as the record is built: a watched request that showed up meanwhile is in
-        # _mine by then. One still watched for is released present or not (see _give_up).
+        # _mine by then. One still watched for, or an acquire's still on its way (no attempt
+        # is built once closing), is released present or not (see _give_up).
         now = time.time()
         ids = [i for i in self._mine if i in state.leases]
         ids += [i for i, until in self._abandoned.items() if until >= now and i not in ids]
+        ids += [i for i in self._pending if i not in ids]
         return [self._op("release", i) for i in ids]
 
     async def __aenter__(self) -> Ownership:
@@ -308,7 +321,7 @@ class Ownership:
         return self._manager
 
     def _check_usable(self) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             raise ClosedError(f"ownership table on {self.topic} is closed")
         if not self._opened:
             raise ClosedError(f"ownership table on {self.topic} is not open")
@@ -382,6 +395,8 @@ class Ownership:
         fields = {"owner": self.owner, "names": list(wanted), "mode": mode, "ttl": ttl}
 
         def generator(state: LeaseTable) -> list[dict[str, Any]]:
+            if self._closing:  # (an attempt after the release at close would outlive it)
+                raise ClosedError(f"ownership table on {self.topic} is closed")
             op = self._op("acquire", lease_id, **fields)
             if not wait and not state.simulate(op).leases.get(lease_id, _WAITING).held:
                 return []
@@ -393,6 +408,8 @@ class Ownership:
                 generator, reader=lambda s: s.leases.get(lease_id), timeout=_left(deadline)
             )
             written = True
+            if self._closing:
+                raise ClosedError(f"ownership table on {self.topic} closed while acquiring")
             lease = result.value
             if lease is None and not wait:
                 self._pending.pop(lease_id, None)
@@ -413,7 +430,13 @@ class Ownership:
             self._mine.discard(lease_id)
             if not isinstance(exc, NotHeldError):
                 may_land = not written and not isinstance(exc, _NOTHING_SENT)
-                await self._give_up(lease_id, ttl, in_table=written, may_land=may_land)
+                if written or may_land:
+                    # Bounded (the caller is failing already): a withdraw that times out
+                    # leaves the request watched for (see _give_up).
+                    bound = None if timeout is None else max(_WITHDRAW_MIN_S, timeout)
+                    await self._give_up(
+                        lease_id, ttl, in_table=written, may_land=may_land, timeout=bound
+                    )
             if isinstance(exc, TimeoutError) and not isinstance(exc, OperationTimeoutError):
                 raise OperationTimeoutError(
                     f"{list(wanted)} not granted for {mode} within {timeout}s"
@@ -422,21 +445,30 @@ class Ownership:
         self._pending.pop(lease_id, None)
         return lease
 
-    async def _give_up(self, lease_id: str, ttl: float, *, in_table: bool, may_land: bool) -> None:
+    async def _give_up(
+        self,
+        lease_id: str,
+        ttl: float,
+        *,
+        in_table: bool,
+        may_land: bool,
+        timeout: float | None = None,
+    ) -> None:
         """Withdraw the request of an acquire that failed (best effort: the caller is failing
         already). One whose record may still land (relayed, or sent and its outcome not seen
         in time) is released whether or not it is in the table yet: built on the log's tail,
         that release makes a request still on its way stale for every replica, or is
         ignored (the request landed first) and built again after it, where it finds the
         request. If the withdraw fails, the request is watched for (:meth:`_abandon`)."""
-        if in_table or may_land:
-            self._abandon(lease_id, ttl)  # first: it may show up while the withdraw is sent
-        if await self._withdraw(lease_id, fence=may_land):
+        self._abandon(lease_id, ttl)  # first: it may show up while the withdraw is sent
+        if await self._withdraw(lease_id, fence=may_land, timeout=timeout):
             self._abandoned.pop(lease_id, None)
         else:
             self._count_while_in_table(lease_id)
 
-    async def _withdraw(self, lease_id: str, *, fence: bool = False) -> bool:
+    async def _withdraw(
+        self, lease_id: str, *, fence: bool = False, timeout: float | None = None
+    ) -> bool:
         """Release ``lease_id`` if the table has it (``fence``: whether or not); whether the
         write was done. Shielded: a cancelled caller leaves it to finish."""
         with contextlib.suppress(PulsarStateError, asyncio.CancelledError):
@@ -444,7 +476,8 @@ class Ownership:
                 self._manager.write(
                     lambda s: (
                         [self._op("release", lease_id)] if fence or lease_id in s.leases else []
-                    )
+                    ),
+                    timeout=timeout,
                 )
             )
             return True
@@ -650,10 +683,17 @@ class Ownership:
 
         return remove
 
-    def on_close(self, callback: Callable[[PulsarStateError], None]) -> None:
+    def on_close(self, callback: Callable[[PulsarStateError], None]) -> Callable[[], None]:
         """Call ``callback(error)`` when this Ownership closes (a ClosedError) or its replica
-        halts (a ReplicaHaltedError): what ends streams. A callback may see both, halt first."""
+        halts (a ReplicaHaltedError): what ends streams. A callback may see both, halt first.
+        Returns a function that removes it (a stream closed early: nothing kept for it)."""
         self._on_close.append(callback)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                self._on_close.remove(callback)
+
+        return remove
 
     def read_local(self, reader: Callable[[LeaseTable], Any]) -> Any:
         """Run ``reader`` on the local table (no I/O); it must not change it."""
@@ -756,8 +796,7 @@ class Ownership:
                 future.set_exception(error)
                 future.exception()  # its acquire gets it; nobody else must
         self._pending.clear()
-        for callback in self._on_close:
-            callback(error)
+        self._tell_closed(error)
 
     def _holds_up_a_request(self, events: list[LeaseEvent], table: LeaseTable) -> bool:
         """Whether this process's release is what a request waits for: another process's
@@ -887,6 +926,23 @@ class OneLeaseRecipe:
         self.ttl = check_ttl(ttl)
         self._ownership = Ownership(pulsar, topic, owner=name, **options)
         self._lease: Lease | None = None
+        # One campaign or join at a time: two would write two requests, and resign or leave
+        # would release one while the other (granted next) kept this process in.
+        self._taking = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def _alone(self, deadline: float | None) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._taking.acquire()
+        except TimeoutError as exc:
+            raise OperationTimeoutError(
+                f"{self.name}: another campaign or join of this process took the whole timeout"
+            ) from exc
+        try:
+            yield
+        finally:
+            self._taking.release()
 
     @property
     def name(self) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from pulsar_state import (
+    ClosedError,
     ConfigurationError,
     OperationTimeoutError,
     PulsarStateError,
@@ -366,3 +367,84 @@ async def test_a_request_that_lands_as_its_table_closes_is_released(
         assert ("granted", "requester") in seen
         lease = await holder.acquire("disk", ttl=600.0, timeout=10.0)
         assert [h.id for h in holder.holders_local("disk")] == [lease.id]
+
+
+async def test_a_join_in_flight_when_the_group_closes_leaves_no_member(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    LateRelay(monkeypatch, hold_s=1.0)
+    async with owners(service_url, topic, admin_url, owner="holder") as holder:
+        seen: list[tuple[str, str]] = []
+        holder.subscribe(lambda events, _: seen.extend((e.kind, e.lease.owner) for e in events))
+        await holder.acquire("elsewhere", ttl=600.0)  # takes the topic's writer, keeps it
+        group = Membership(
+            service_url,
+            topic,
+            name="member",
+            ttl=600.0,
+            takeover_after_s=None,
+            **recipe_options(admin_url),
+        )
+        await group.open()
+        await group.ownership.manager.sync(timeout=WAIT_S)
+        joining = asyncio.ensure_future(group.join())
+        await until(lambda: group.ownership.manager.stats.records_relayed >= 1, "relayed")
+        await group.aclose()  # while the request is on its way
+        # Before: the join returned a lease after the close, and the member stayed in the
+        # group for its whole TTL (nobody renewing, nobody releasing).
+        with pytest.raises(ClosedError):
+            await asyncio.wait_for(joining, WAIT_S)
+        await holder.manager.sync(timeout=WAIT_S)
+        await until(
+            lambda: not holder.read_local(lambda t: t.holding("members") + t.waiting()),
+            "no member left",
+        )
+        if ("granted", "member") in seen:
+            assert ("released", "member") in seen
+
+
+async def test_two_campaigns_at_once_lead_once_and_resign_once(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with LeaderElection(
+        service_url, topic, name="one", ttl=600.0, **recipe_options(admin_url)
+    ) as election:
+        first, second = await asyncio.gather(election.campaign(), election.campaign())
+        assert first == second
+        await election.resign()
+        # Before: the second campaign's request waited behind the first's lease, so the
+        # resignation handed the lead straight back to this process.
+        assert await election.current_leader() is None
+        with pytest.raises(ConfigurationError, match="max_queue"):
+            election.leaders(max_queue=0)
+    async with Membership(
+        service_url, topic + "-group", name="m", ttl=600.0, **recipe_options(admin_url)
+    ) as group:
+        joined = await asyncio.gather(group.join(), group.join(), return_exceptions=True)
+        assert sum(isinstance(j, ConfigurationError) for j in joined) == 1
+        await group.leave()
+        assert await group.members() == []
+
+
+async def test_a_raising_close_callback_neither_stops_the_close_nor_other_streams(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    election = LeaderElection(service_url, topic, name="one", ttl=60.0, **recipe_options(admin_url))
+    await election.open()
+
+    def buggy(error: PulsarStateError) -> None:
+        raise RuntimeError("a bug in a close callback")
+
+    election.ownership.on_close(buggy)
+    leaders = election.leaders()
+    dropped = election.leaders()
+    dropped.close()
+    # A stream closed early leaves nothing behind (before: kept until the table closed).
+    assert len(election.ownership._on_close) == 2
+    with caplog.at_level(logging.ERROR, logger="recipes.ownership"):
+        await election.aclose()  # before: ZeroDivisionError, and the table left open
+    assert election.ownership.manager.closed
+    assert await leaders.next(timeout=WAIT_S) is None  # the leader when it opened
+    with pytest.raises(ClosedError):
+        await leaders.next(timeout=WAIT_S)
+    assert "on_close callback raised" in caplog.text
