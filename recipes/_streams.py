@@ -11,7 +11,7 @@ from pulsar_state import ClosedError, ConfigurationError, OperationTimeoutError,
 
 from ._map_watch import WatchOverflowError
 
-__all__ = ["EventStream"]
+__all__ = ["EventStream", "removing_all"]
 
 T = TypeVar("T")
 
@@ -35,16 +35,6 @@ class EventStream(Generic[T]):
         self._error: PulsarStateError | None = None
         self._closed = False
         self.unsubscribe: Callable[[], None] = lambda: None
-
-    def watch(self, *unsubscribes: Callable[[], None]) -> None:
-        """Call each of ``unsubscribes`` (a subscription's remover) when the stream ends
-        (closed or failed): a stream closed early leaves nothing of it with its source."""
-
-        def unsubscribe() -> None:
-            for remove in unsubscribes:
-                remove()
-
-        self.unsubscribe = unsubscribe
 
     @property
     def closed(self) -> bool:
@@ -114,3 +104,14 @@ class EventStream(Generic[T]):
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def removing_all(*removers: Callable[[], None]) -> Callable[[], None]:
+    """One remover calling each of ``removers`` (subscriptions to drop when a stream ends,
+    closed or failed: a stream closed early leaves nothing of it with its sources)."""
+
+    def remove() -> None:
+        for remover in removers:
+            remover()
+
+    return remove

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pulsar_state import PulsarStateError
 
 from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError
-from ._streams import EventStream
+from ._streams import EventStream, removing_all
 from .ownership import OneLeaseRecipe
 
 __all__ = ["Leader", "LeaderElection"]
@@ -141,5 +141,7 @@ class LeaderElection(OneLeaseRecipe):
                 last[0] = now
                 stream.push([now])
 
-        stream.watch(self._ownership.subscribe(on_change), self._ownership.on_close(stream.fail))
+        stream.unsubscribe = removing_all(
+            self._ownership.subscribe(on_change), self._ownership.on_close(stream.fail)
+        )
         return stream

@@ -18,7 +18,7 @@ from typing import Literal
 from pulsar_state import ConfigurationError
 
 from ._lease_table import Lease, LeaseEvent, LeaseTable
-from ._streams import EventStream
+from ._streams import EventStream, removing_all
 from .ownership import OneLeaseRecipe
 
 __all__ = ["MemberEvent", "Membership"]
@@ -128,5 +128,7 @@ class Membership(OneLeaseRecipe):
                     changes.append(MemberEvent("leave", lease.owner, event.position, reason))
             stream.push(changes)
 
-        stream.watch(self._ownership.subscribe(on_change), self._ownership.on_close(stream.fail))
+        stream.unsubscribe = removing_all(
+            self._ownership.subscribe(on_change), self._ownership.on_close(stream.fail)
+        )
         return stream
