@@ -47,6 +47,8 @@ class PendingWrite:
     future: asyncio.Future[WriteResult[Any]]
     deadline: float
     write_seq: int
+    # When it was submitted (loop clock): its wait for the topic's writer is counted from it.
+    submitted_at: float = 0.0
     queued: bool = True
     # The record of the newest attempt; only its rejection triggers a retry.
     latest_record: str | None = None
@@ -146,12 +148,14 @@ class PendingWrites:
         timeout: float,
     ) -> asyncio.Future[WriteResult[Any]]:
         loop = asyncio.get_running_loop()
+        now = loop.time()
         pending = PendingWrite(
             generator=generator,
             reader=reader,
             future=loop.create_future(),
-            deadline=loop.time() + timeout,
+            deadline=now + timeout,
             write_seq=next(self._write_seq),
+            submitted_at=now,
         )
         # perf_counter, not loop.time(): uvloop's clock counts whole milliseconds.
         pending.future.add_done_callback(functools.partial(self._observe, time.perf_counter()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
@@ -56,6 +57,19 @@ class _AsyncResource(Protocol):
     async def aclose(self, *, timeout: float = ...) -> None: ...
 
 
+def _copy_outcome(future: concurrent.futures.Future[T], task: asyncio.Task[T]) -> None:
+    """Give ``future`` (the blocked caller's) the outcome of ``task`` (on the portal's loop),
+    unless the caller cancelled it."""
+    if task.cancelled():
+        future.cancel()
+    elif future.set_running_or_notify_cancel():
+        error = task.exception()
+        if error is None:
+            future.set_result(task.result())
+        else:
+            future.set_exception(error)
+
+
 class BlockingPortal:
     """Runs coroutines on an event loop owned by a daemon thread, for blocking callers.
 
@@ -88,8 +102,20 @@ class BlockingPortal:
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
 
-    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None) -> T:
-        """Run ``fn(*args)`` on the portal's loop and wait for its result."""
+    def call(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        *args: Any,
+        timeout: float | None = None,
+        cancel_on_interrupt: bool = True,
+    ) -> T:
+        """Run ``fn(*args)`` on the portal's loop and wait for its result.
+
+        If the waiting thread is interrupted (Ctrl-C, or SystemExit from a signal handler),
+        the call is cancelled on the loop, so that it does not go on alone (a campaign
+        granted later that nobody knows leads); ``cancel_on_interrupt=False`` lets it finish
+        instead (a close, which must not stop half-way).
+        """
         if os.getpid() != self._pid:
             raise ClosedError(
                 "this portal was created in another process (fork); create a new one here"
@@ -99,11 +125,26 @@ class BlockingPortal:
         if threading.current_thread() is self._thread:
             raise RuntimeError("blocking call from the portal's own thread would deadlock")
 
-        async def run() -> T:
+        # Not run_coroutine_threadsafe: an interrupt after it scheduled the call but before
+        # it returned the future would leave nothing to cancel. The future exists first
+        # here, and the call does not start once it is cancelled.
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        loop = self._loop
+
+        async def run() -> T:  # fn's own errors, even raised before it awaits, in the task
             return await fn(*args)
 
-        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        def start() -> None:
+            if future.cancelled():
+                return
+            task = loop.create_task(run())
+            future.add_done_callback(
+                lambda f: f.cancelled() and loop.call_soon_threadsafe(task.cancel)
+            )
+            task.add_done_callback(functools.partial(_copy_outcome, future))
+
         try:
+            loop.call_soon_threadsafe(start)
             return future.result(timeout)
         except concurrent.futures.TimeoutError as exc:
             if future.done():
@@ -112,6 +153,10 @@ class BlockingPortal:
                 raise
             future.cancel()
             raise OperationTimeoutError(f"blocking call did not finish in {timeout}s") from exc
+        except BaseException:
+            if cancel_on_interrupt:
+                future.cancel()
+            raise
 
     def call_sync(
         self, fn: Callable[..., T], *args: Any, timeout: float | None = _LOCAL_TIMEOUT_S
@@ -158,6 +203,7 @@ class BlockingPortal:
                 self.call(
                     lambda r=resource: r.aclose(timeout=timeout),
                     timeout=backstop(_close_backstop(timeout)),
+                    cancel_on_interrupt=False,
                 )
             except Exception as exc:
                 logger.debug("closing a resource left open at exit: %r", exc)
@@ -245,6 +291,7 @@ class SyncFacade(Generic[R]):
             self._portal.call(
                 lambda: self._resource.aclose(timeout=timeout),
                 timeout=backstop(_close_backstop(timeout)),
+                cancel_on_interrupt=False,  # a close stopped half-way would leave it open
             )
         finally:
             if self._owns_portal:

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import random
 import time
 from collections import deque
@@ -254,6 +253,7 @@ class Writer:
         # Records this process relayed that were not seen in time: the writer is taken, the
         # log caught up with, then their writes are retried unless seen by then.
         self._relayed: list[OutgoingRecord[PendingWrite]] = []
+        self._held_elsewhere = False
         self._relay_landed_at = float("-inf")  # a relayed record of ours was appended
         # Ids of stale records relayed by others (the newest): what is built on them is too.
         self._stale_relayed: dict[str, None] = {}
@@ -298,6 +298,7 @@ class Writer:
 
     def _remember_failure(self, state: RetryCallState) -> None:
         failed = state.outcome.exception() if state.outcome is not None else None
+        self._held_elsewhere = isinstance(failed, WriterBusyError)
         if failed is not None and not isinstance(failed, WriterBusyError):
             self._pending.last_failure = failed
             logger.debug("acquiring the writer of %s: %s; retrying", self._topic, failed)
@@ -420,13 +421,15 @@ class Writer:
         started = loop.time()
         asked_at = time.monotonic()  # a poller could have had the writer until about now
         takeover = None if ahead else settings.takeover_after_s
+        self._held_elsewhere = False  # the latest attempt's refusal: another process holds it
 
         def ends_at() -> float:
-            # Asked at each attempt: a write queued meanwhile waits until its own deadline
-            # (with the first write's alone, it failed long before its own timeout).
+            # Asked at each attempt: a write queued meanwhile waits acquire_timeout_s from
+            # its own submission, within its own deadline (with the first write's budget
+            # alone, it failed long before its own timeout).
             if ahead:
                 return started + min(settings.acquire_timeout_s, _AHEAD_BUDGET_S)
-            return min(started + settings.acquire_timeout_s, self._latest_deadline())
+            return self._latest_wait_end(started, settings.acquire_timeout_s)
 
         topic = str(self._topic)
         try:
@@ -439,13 +442,22 @@ class Writer:
             ):
                 with attempt:
                     pending.expire(loop.time())
+                    if not ahead and self._held_elsewhere:
+                        # Held by another process: each write waits for it acquire_timeout_s
+                        # of its own. Through an outage they wait on until their deadlines.
+                        self._fail_waited_out(started, settings.acquire_timeout_s)
                     if ahead and pending.queue:
                         # A write came: acquire for it instead (its budget, its takeover).
                         return
                     if not pending.queue and not ahead and not self._relayed_waiting():
                         self._relayed = []
                         return
-                    fencing = takeover is not None and loop.time() - started >= takeover
+                    # After the longest-waiting write has waited ``takeover`` (an attempt
+                    # kept going by later writes must not fence sooner than one write would).
+                    fencing = (
+                        takeover is not None
+                        and loop.time() - self._oldest_wait_start(started) >= takeover
+                    )
                     if fencing:
                         logger.warning("taking over the writer of %s with fencing", topic)
                     try:
@@ -477,17 +489,8 @@ class Writer:
                         pending.fail_timeout(waiting)  # sent: its outcome is unknown
             self._relayed = []
             for waiting in pending.queue:
-                if waiting.future.done():
-                    continue
-                if waiting.outstanding:
-                    pending.fail_timeout(waiting)
-                else:
-                    waiting.future.set_exception(
-                        WriterBusyError(
-                            f"another process held the writer of {topic} for {waited:.1f}s; "
-                            "nothing was appended"
-                        )
-                    )
+                if not waiting.future.done():
+                    self._fail_busy(waiting, waited)
             pending.expire(loop.time())
             raise
         self._producer_since = loop.time()
@@ -519,11 +522,44 @@ class Writer:
     def _relayed_waiting(self) -> bool:
         return any(not w.future.done() for o in self._relayed for w in o.writes)
 
-    def _latest_deadline(self) -> float:
-        # No write waiting: no deadline (the attempt at the writer returns on its own).
-        relayed = [w.deadline for o in self._relayed for w in o.writes if not w.future.done()]
-        queued = [w.deadline for w in self._pending.queue if not w.future.done()]
-        return max(queued + relayed, default=math.inf)
+    def _waiting_writes(self) -> list[PendingWrite]:
+        relayed = [w for o in self._relayed for w in o.writes if not w.future.done()]
+        return [w for w in self._pending.queue if not w.future.done()] + relayed
+
+    @staticmethod
+    def _wait_end(write: PendingWrite, started: float, budget: float) -> float:
+        # A write waits ``budget`` s for the writer from when it came (from the start of
+        # this attempt if it came before), and never past its deadline.
+        return min(max(write.submitted_at, started) + budget, write.deadline)
+
+    def _oldest_wait_start(self, started: float) -> float:
+        starts = [max(w.submitted_at, started) for w in self._waiting_writes()]
+        return min(starts, default=started)
+
+    def _latest_wait_end(self, started: float, budget: float) -> float:
+        # No write waiting: the attempt at the writer returns on its own.
+        ends = [self._wait_end(w, started, budget) for w in self._waiting_writes()]
+        return max(ends, default=started + budget)
+
+    def _fail_waited_out(self, started: float, budget: float) -> None:
+        """Fail the queued writes whose wait for the writer is over while the attempt goes
+        on for later ones (each with its own wait)."""
+        now = asyncio.get_running_loop().time()
+        for waiting in self._pending.queue:
+            if not waiting.future.done() and now >= self._wait_end(waiting, started, budget):
+                self._fail_busy(waiting, now - max(waiting.submitted_at, started))
+        self._pending.expire(now)  # drops the failed ones from the queue
+
+    def _fail_busy(self, waiting: PendingWrite, waited: float) -> None:
+        if waiting.outstanding:  # sent before: its outcome is unknown
+            self._pending.fail_timeout(waiting)
+        else:
+            waiting.future.set_exception(
+                WriterBusyError(
+                    f"another process held the writer of {self._topic} for {waited:.1f}s; "
+                    "nothing was appended"
+                )
+            )
 
     # ------------------------------------------------------------------ the relay
 

@@ -118,7 +118,9 @@ class SyncLeaderElection(_SyncOneLease[LeaderElection]):
         return self._local(self._recipe.leader)
 
     def current_leader(self, *, latest: bool = True, timeout: float | None = None) -> Leader | None:
-        return self._read(lambda: self._recipe.current_leader(latest=latest), timeout)
+        return self._read(
+            lambda: self._recipe.current_leader(latest=latest, timeout=timeout), timeout
+        )
 
     def leaders(self, *, max_queue: int = 1000) -> SyncEventStream[Leader | None]:
         stream = self._local(lambda: self._recipe.leaders(max_queue=max_queue))
@@ -153,7 +155,7 @@ class SyncMembership(_SyncOneLease[Membership]):
         return self._local(self._recipe.members_local)
 
     def members(self, *, latest: bool = True, timeout: float | None = None) -> list[str]:
-        return self._read(lambda: self._recipe.members(latest=latest), timeout)
+        return self._read(lambda: self._recipe.members(latest=latest, timeout=timeout), timeout)
 
     def events(
         self, *, snapshot: bool = True, max_queue: int = 10_000

@@ -95,8 +95,22 @@ class SyncOwnership(SyncFacade[Ownership]):
             timeout,
         )
 
-    def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
-        return self._forward(lambda: self._ownership.renew(lease, ttl=ttl), None)
+    def renew(
+        self,
+        lease: Lease,
+        *,
+        ttl: float | None = None,
+        keep_alive: bool = False,
+        timeout: float | None = None,
+    ) -> Lease:
+        return self._write(
+            lambda: self._ownership.renew(lease, ttl=ttl, keep_alive=keep_alive, timeout=timeout),
+            timeout,
+        )
+
+    def is_kept_alive(self, lease: Lease) -> bool:
+        """As :meth:`Ownership.is_kept_alive` (no I/O)."""
+        return self._portal.call_sync(lambda: self._ownership.is_kept_alive(lease))
 
     def release(self, lease: Lease, *, timeout: float | None = None) -> None:
         self._forward(lambda: self._ownership.release(lease, timeout=timeout), timeout)

@@ -19,18 +19,24 @@ T = TypeVar("T")
 class EventStream(Generic[T]):
     """Items in log order: ``async for item in stream`` or ``await stream.next(timeout=...)``.
 
-    At most ``max_queue`` items wait for the consumer; one further behind gets
-    :class:`~recipes.WatchOverflowError` (after the items already queued are dropped) and the
-    stream stops: open a new one to start again from the current state. If the recipe closes
-    or its replica halts, the queued items are delivered, then that error is raised.
+    At most ``max_queue`` items wait for the consumer (the initial snapshot does not count,
+    and a consumer with none waiting takes one record's items whatever their number). One
+    further behind gets :class:`~recipes.WatchOverflowError`, whose ``position`` is the log
+    position of the last item it received (the snapshot's if none): the changes queued are
+    dropped, the rest of the snapshot is still delivered first, and the stream stops (open a
+    new one to start again from the current state). If the recipe closes or its replica
+    halts, the queued items are delivered, then that error is raised.
     ``close()`` (or leaving ``async with``) ends ``async for``; ``next()`` then raises ClosedError.
     """
 
-    def __init__(self, initial: Iterable[T], *, max_queue: int) -> None:
+    def __init__(self, initial: Iterable[T], *, max_queue: int, position: int) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ConfigurationError(f"max_queue must be an int >= 1, not {max_queue!r}")
-        self._queue: deque[T] = deque(initial)
+        # The snapshot apart from the changes: it is the state, not a backlog.
+        self._initial: deque[T] = deque(initial)
+        self._queue: deque[tuple[T, int]] = deque()
         self._max_queue = max_queue
+        self._received = position  # the log position of the last item the consumer took
         self._wake = asyncio.Event()
         self._error: PulsarStateError | None = None
         self._closed = False
@@ -40,22 +46,24 @@ class EventStream(Generic[T]):
     def closed(self) -> bool:
         return self._closed
 
-    def push(self, items: list[T]) -> None:
-        """Queue ``items`` (called from a listener, on the event loop)."""
+    def push(self, items: list[T], position: int) -> None:
+        """Queue ``items``, the changes of the record at log ``position`` (called from a
+        listener, on the event loop)."""
         if self._closed or self._error is not None or not items:
             return
-        if len(self._queue) + len(items) > self._max_queue:
-            self._queue.clear()
+        if self._queue and len(self._queue) + len(items) > self._max_queue:
+            self._queue.clear()  # the snapshot, a state, is still delivered first
             self.fail(
                 WatchOverflowError(
-                    f"the consumer fell more than {self._max_queue} events behind; open a new "
-                    "stream to start again from the current state",
+                    f"the consumer fell more than {self._max_queue} events behind (at log "
+                    f"position {self._received}); open a new stream to start again from the "
+                    "current state",
                     max_queue=self._max_queue,
-                    position=-1,
+                    position=self._received,
                 )
             )
             return
-        self._queue.extend(items)
+        self._queue.extend((item, position) for item in items)
         self._wake.set()
 
     def fail(self, error: PulsarStateError) -> None:
@@ -71,8 +79,11 @@ class EventStream(Generic[T]):
                 while True:
                     if self._closed:
                         raise ClosedError("the stream is closed")
+                    if self._initial:
+                        return self._initial.popleft()
                     if self._queue:
-                        return self._queue.popleft()
+                        item, self._received = self._queue.popleft()
+                        return item
                     if self._error is not None:
                         raise self._error.with_traceback(None)
                     self._wake.clear()
@@ -95,6 +106,7 @@ class EventStream(Generic[T]):
 
     def close(self) -> None:
         self._closed = True
+        self._initial.clear()
         self._queue.clear()
         self.unsubscribe()
         self._wake.set()

@@ -67,15 +67,17 @@ class LeaderElection(OneLeaseRecipe):
     async def campaign(self, *, timeout: float | None = None) -> Leader:
         """Wait until this candidate leads (at most ``timeout`` s, then OperationTimeoutError
         and the candidacy is withdrawn); returns its term (the current one if it already
-        leads). Leadership is kept alive until :meth:`resign` or close."""
+        leads, renewed from now on if a :meth:`resign` that failed stopped its renewals).
+        Leadership is kept alive until :meth:`resign` or close."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         async with self._alone(deadline):
             return await self._campaign(loop, deadline)
 
     async def _campaign(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> Leader:
-        if self._lease is not None and self._ownership.is_held(self._lease):
-            return Leader(self._lease.owner, self._lease.token, self._lease.position)
+        held = await self._kept(deadline)
+        if held is not None:
+            return Leader(held.owner, held.token, held.position)
         while True:
             left = None if deadline is None else max(0.0, deadline - loop.time())
             try:
@@ -116,10 +118,13 @@ class LeaderElection(OneLeaseRecipe):
         leader: Leader | None = self._ownership.read_local(_leader_of)
         return leader
 
-    async def current_leader(self, *, latest: bool = True) -> Leader | None:
-        """The leader, after catching up with the tail (``latest=True``)."""
+    async def current_leader(
+        self, *, latest: bool = True, timeout: float | None = None
+    ) -> Leader | None:
+        """The leader, after catching up with the tail (``latest=True``; OperationTimeoutError
+        after ``timeout`` s, by default the manager's ``read_timeout_s``)."""
         if latest:
-            await self._ownership.manager.sync()
+            await self._ownership.manager.sync(timeout=timeout)
         return self.leader()
 
     def leaders(self, *, max_queue: int = 1000) -> EventStream[Leader | None]:
@@ -130,7 +135,9 @@ class LeaderElection(OneLeaseRecipe):
         """
         table: LeaseTable = self._ownership.read_local(lambda s: s)
         current = _leader_of(table)
-        stream: EventStream[Leader | None] = EventStream([current], max_queue=max_queue)
+        stream: EventStream[Leader | None] = EventStream(
+            [current], max_queue=max_queue, position=table.position
+        )
         last = [current]
 
         def on_change(events: list[LeaseEvent], table: LeaseTable) -> None:
@@ -139,7 +146,7 @@ class LeaderElection(OneLeaseRecipe):
             now = _leader_of(table)
             if now != last[0]:
                 last[0] = now
-                stream.push([now])
+                stream.push([now], table.position)
 
         stream.unsubscribe = removing_all(
             self._ownership.subscribe(on_change), self._ownership.on_close(stream.fail)

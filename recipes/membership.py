@@ -63,13 +63,20 @@ class Membership(OneLeaseRecipe):
     async def join(self, *, timeout: float | None = None) -> Lease:
         """Join the group (kept alive until :meth:`leave` or close); returns the lease.
 
-        ConfigurationError if this Membership has already joined and is still a member.
+        ConfigurationError if this Membership has already joined and is still a member (after
+        a :meth:`leave` that failed, it is still a member: ``join`` then renews the lease from
+        now on and returns it).
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         async with self._alone(deadline):
             if self._lease is not None and self._ownership.is_held(self._lease):
-                raise ConfigurationError(f"{self.name} has already joined")
+                if self._ownership.is_kept_alive(self._lease):
+                    raise ConfigurationError(f"{self.name} has already joined")
+                # A leave that failed stopped its renewals: still a member, kept from now on.
+                kept = await self._kept(deadline)
+                if kept is not None:
+                    return kept
             left = None if deadline is None else max(0.0, deadline - loop.time())
             self._lease = await self._ownership.acquire(
                 RESOURCE, mode="read", ttl=self.ttl, timeout=left
@@ -85,10 +92,11 @@ class Membership(OneLeaseRecipe):
         members: list[str] = self._ownership.read_local(_members_of)
         return members
 
-    async def members(self, *, latest: bool = True) -> list[str]:
-        """The members, after catching up with the tail (``latest=True``), sorted."""
+    async def members(self, *, latest: bool = True, timeout: float | None = None) -> list[str]:
+        """The members, after catching up with the tail (``latest=True``; OperationTimeoutError
+        after ``timeout`` s, by default the manager's ``read_timeout_s``), sorted."""
         if latest:
-            await self._ownership.manager.sync()
+            await self._ownership.manager.sync(timeout=timeout)
         return self.members_local()
 
     def events(self, *, snapshot: bool = True, max_queue: int = 10_000) -> EventStream[MemberEvent]:
@@ -100,7 +108,9 @@ class Membership(OneLeaseRecipe):
             if snapshot
             else []
         )
-        stream: EventStream[MemberEvent] = EventStream(initial, max_queue=max_queue)
+        stream: EventStream[MemberEvent] = EventStream(
+            initial, max_queue=max_queue, position=table.position
+        )
         # The members as the stream has told them: a member is a name, which may hold more
         # than one lease (a rejoin before its lost lease was reaped, or two processes given
         # one name), so only its first lease joins it and only its last one leaves.
@@ -126,7 +136,7 @@ class Membership(OneLeaseRecipe):
                         "left" if event.kind == "released" else "expired"
                     )
                     changes.append(MemberEvent("leave", lease.owner, event.position, reason))
-            stream.push(changes)
+            stream.push(changes, table.position)
 
         stream.unsubscribe = removing_all(
             self._ownership.subscribe(on_change), self._ownership.on_close(stream.fail)

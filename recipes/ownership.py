@@ -531,21 +531,40 @@ class Ownership:
             await asyncio.sleep(pause)
             pause = min(pause * 2, _WITHDRAW_RETRY_MAX_S)
 
-    async def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+    async def renew(
+        self,
+        lease: Lease,
+        *,
+        ttl: float | None = None,
+        keep_alive: bool = False,
+        timeout: float | None = None,
+    ) -> Lease:
         """Extend ``lease`` to ``ttl`` (default its own) seconds from now; returns it renewed.
 
-        Raises NotHeldError (writing nothing) if it expired or was released.
+        ``keep_alive=True`` also renews it from now on, as ``acquire(keep_alive=True)`` does
+        (e.g. after a ``release`` that failed, which stops renewing). Raises NotHeldError
+        (writing nothing) if it expired or was released; OperationTimeoutError after
+        ``timeout`` s (default: the manager's ``write_timeout_s``).
         """
         self._check_usable()
         self._check_mine(lease)
-        renewed = await self._renew(lease.id, check_ttl(lease.ttl if ttl is None else ttl))
-        if lease.id in self._keepers:
+        renewed = await self._renew(
+            lease.id, check_ttl(lease.ttl if ttl is None else ttl), timeout=timeout
+        )
+        if (lease.id in self._keepers or keep_alive) and lease.id in self._mine:
+            # (Not once a release began meanwhile: it stopped the renewals for good.)
             # Kept alive: its next renewal a third of the TTL just set from now (a shorter
             # one would expire before a renewal timed for the old one; a renewal under way
             # may have been built on the old TTL, so it is not waited for).
             self._stop_keeping(lease.id)
             self._keep(lease.id, renewed.ttl / 3)
         return renewed
+
+    def is_kept_alive(self, lease: Lease) -> bool:
+        """Whether this Ownership renews ``lease`` by itself (``keep_alive=True``, and no
+        ``release`` tried since nor a renewal that found it lost). No I/O."""
+        self._check_usable()
+        return lease.id in self._keepers
 
     async def _renew(self, lease_id: str, ttl: float | None, timeout: float | None = None) -> Lease:
         """Renew for ``ttl`` seconds (None: the lease's own TTL in the table at the tail,
@@ -571,7 +590,8 @@ class Ownership:
         Raises NotHeldError (writing nothing) if it is not held by this Ownership: another
         owner's, already released, or expired. If the release fails otherwise (a timeout, an
         outage), the lease is no longer renewed: it ends at its expiry unless a retried
-        ``release`` or :meth:`aclose` ends it first.
+        ``release`` or :meth:`aclose` ends it first (or ``renew(lease, keep_alive=True)``
+        keeps it).
         """
         self._check_usable()
         self._check_mine(lease)
@@ -955,6 +975,25 @@ class OneLeaseRecipe:
 
     async def open(self, *, timeout: float | None = None) -> None:
         await self._ownership.open(timeout=timeout)
+
+    async def _kept(self, deadline: float | None) -> Lease | None:
+        """The lease this process holds, kept alive (renewed now and from now on if a resign
+        or leave that failed stopped its renewals); None if it holds none any more."""
+        lease = self._lease
+        if lease is None or not self._ownership.is_held(lease):
+            return None
+        if self._ownership.is_kept_alive(lease):
+            return lease
+        loop = asyncio.get_running_loop()
+        left = None if deadline is None else max(0.0, deadline - loop.time())
+        try:
+            renewed = await self._ownership.renew(lease, keep_alive=True, timeout=left)
+        except NotHeldError:  # it expired meanwhile
+            return None
+        if self._lease is not lease:  # resigned or left meanwhile
+            return None
+        self._lease = renewed
+        return renewed
 
     async def _give_up(self, not_held: str, timeout: float | None) -> None:
         """Release the lease (resign, leave); NotHeldError ``f"{name} is {not_held}"`` if

@@ -15,6 +15,7 @@ from pulsar_state import (
     PulsarStateError,
     ReplicaHaltedError,
     WriteOutcomeUnknownError,
+    WriterBusyError,
 )
 from pulsar_state._pulsar import LogPosition, StateReader, StateWriter
 from pulsar_state._replica import Replica
@@ -209,6 +210,34 @@ async def test_a_write_that_ended_while_its_batch_checked_its_state_is_never_sen
         after = await manager.write(lambda s: [incr("b")])
         assert after.position == 2
         assert await seen_by(manager) == {"a": 1, "b": 1}
+
+
+async def test_a_write_queued_late_in_a_wait_for_the_writer_waits_its_own_acquire_timeout(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
+    async with (
+        counter_manager(service_url, topic, admin_url, **hold) as holder,
+        counter_manager(
+            service_url, topic, admin_url, relay_writes=False, acquire_timeout_s=2.0
+        ) as waiter,
+    ):
+        await holder.write(lambda s: [incr()])
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        first = asyncio.ensure_future(waiter.write(lambda s: [incr("first")], timeout=30.0))
+        await asyncio.sleep(1.5)  # the waiter has tried to take the writer for 1.5 s
+        second = asyncio.ensure_future(waiter.write(lambda s: [incr("second")], timeout=30.0))
+        with pytest.raises(WriterBusyError):
+            await first
+        assert loop.time() - started < 3.0  # its own wait, not stretched by the second's
+        await asyncio.sleep(0.8)  # 2.8 s after the start: 1.3 s into the second's wait
+        # Before: the second failed with the first at 2 s from the start of the attempt
+        # (WriterBusyError after 0.5 s of its own 2 s).
+        assert not second.done()
+        holder.release_writer()
+        await asyncio.wait_for(second, 30.0)
+        assert await seen_by(waiter) == {"second": 1}
 
 
 async def test_a_write_queued_while_another_waits_for_the_writer_keeps_its_own_timeout(

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pulsar_state import ConfigurationError, OperationTimeoutError
+from pulsar_state import ConfigurationError, OperationTimeoutError, PulsarStateError
 from recipes import (
     Counter,
     Leader,
@@ -548,9 +548,11 @@ async def test_a_table_that_falls_forward_tells_what_changed(
     # trim_history: a replica behind the trimmed history falls forward to a snapshot; the
     # records it skipped are not known. Before, its waiting acquire, granted in them, waited
     # for ever (and its keep-alive kept the lease held for everyone); subscribers missed the
-    # changes. Injected as in test_map_watch: a's replica takes no more records, b releases
-    # (granting a's request) and snapshots, a's replica loads that snapshot and tells its
-    # listeners, as falling forward does.
+    # changes. Injected: a's replica takes no more records, b releases (granting a's
+    # request) and snapshots, then a's replica falls forward to that snapshot by its own
+    # path (loads it, tells its listeners, releases what waited on the records it skipped,
+    # reopens its reader). Loading and telling alone left a's writer, when it held the topic's
+    # writer, waiting 30 s for b's release it had appended (1 run in 25 under load).
     async with (
         owners(service_url, topic, admin_url, owner="a", snapshots=True, trim_history=True) as a,
         owners(service_url, topic, admin_url, owner="b", snapshots=True) as b,
@@ -567,11 +569,12 @@ async def test_a_table_that_falls_forward_tells_what_changed(
         replica.on_message = lambda *args, **kwargs: None  # type: ignore[method-assign]
         await b.release(held)
         manifest = await b.manager.snapshot()
-        assert replica.fall_forward is not None
-        assert await replica.fall_forward(manifest.position)
-        for hook in list(replica.on_state_replaced):
-            hook()
         replica.on_message = on_message  # type: ignore[method-assign]
+        await replica._fall_forward_to(
+            manifest.position, lambda: PulsarStateError("no snapshot to fall forward to")
+        )
+        assert replica.halt is None
+        assert replica.version >= manifest.position
         lease = await asyncio.wait_for(waiting, 10)
         assert lease.held
         assert lease.owner == "a"

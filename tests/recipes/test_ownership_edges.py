@@ -167,6 +167,64 @@ def test_resign_and_leave_give_their_timeout_to_the_release(
     assert given == [7.0, 8.0]
 
 
+def test_current_leader_and_members_give_their_timeout_to_the_catch_up(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    given: list[float | None] = []
+    sync = SharedStateManager.sync
+
+    async def spy(self: SharedStateManager[Any, Any], *, timeout: float | None = None) -> int:
+        given.append(timeout)
+        return await sync(self, timeout=timeout)
+
+    monkeypatch.setattr(SharedStateManager, "sync", spy)
+    # Before: the blocking twins' timeout was only their portal's backstop; the catch-up
+    # itself waited the manager's read timeout (30 s), past the caller's timeout.
+    with SyncLeaderElection(service_url, topic, name="a", **recipe_options(admin_url)) as e:
+        assert e.current_leader(timeout=6.0) is None
+    with SyncMembership(
+        service_url, f"{topic}-members", name="m", **recipe_options(admin_url)
+    ) as group:
+        assert group.members(timeout=9.0) == []
+    assert given == [6.0, 9.0]
+
+
+async def test_after_a_failed_resign_or_leave_campaign_and_join_keep_the_lease_alive(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def failing(self: Ownership, lease: Any, timeout: float | None = None) -> None:
+        raise OperationTimeoutError("the release's write did not finish (injected)")
+
+    options = recipe_options(admin_url)
+    async with (
+        LeaderElection(service_url, topic, name="a", ttl=2.0, **options) as election,
+        Membership(service_url, f"{topic}-members", name="m", ttl=2.0, **options) as group,
+    ):
+        term = await election.campaign(timeout=WAIT_S)
+        lease = await group.join(timeout=WAIT_S)
+        with monkeypatch.context() as patch:
+            patch.setattr(Ownership, "_write_release", failing)
+            with pytest.raises(OperationTimeoutError):
+                await election.resign()
+            with pytest.raises(OperationTimeoutError):
+                await group.leave()
+        assert election.lease is not None
+        assert not election.ownership.is_kept_alive(election.lease)
+        # Before: campaign() said "already leads" and join() "already joined" while nothing
+        # renewed the leases any more: both ended at their TTL.
+        assert await election.campaign(timeout=WAIT_S) == term
+        assert (await group.join(timeout=WAIT_S)).id == lease.id
+        assert election.ownership.is_kept_alive(election.lease)
+        await asyncio.sleep(3.0)  # past the 2 s TTL
+        assert election.is_leader()
+        assert await group.members() == ["m"]
+        with pytest.raises(ConfigurationError, match="already joined"):
+            await group.join(timeout=WAIT_S)
+        await election.resign()
+        await group.leave()
+        assert await election.current_leader() is None
+
+
 async def test_a_member_with_two_leases_joins_once_and_leaves_with_its_last(
     service_url: str, admin_url: str, topic: str
 ) -> None:

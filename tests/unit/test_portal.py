@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +34,67 @@ def test_call_sync_runs_on_the_portal_thread_and_returns() -> None:
         portal.stop()
     with pytest.raises(ClosedError):
         portal.call_sync(lambda: None)
+
+
+def test_an_interrupted_blocking_call_is_cancelled_on_the_portal() -> None:
+    portal = BlockingPortal()
+    outcome: list[str] = []
+    started = threading.Event()
+
+    async def long_call() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(3.0)
+            outcome.append("finished")
+        except asyncio.CancelledError:
+            outcome.append("cancelled")
+            raise
+
+    main = threading.get_ident()
+    interrupter = threading.Thread(
+        target=lambda: started.wait(5.0) and signal.pthread_kill(main, signal.SIGINT)
+    )
+    try:
+        interrupter.start()
+        # Before: the KeyboardInterrupt reached the caller and the call ran on to the end.
+        with pytest.raises(KeyboardInterrupt):
+            portal.call(long_call)
+        interrupter.join()
+        portal.call_sync(lambda: None)  # a loop turn: the cancellation has run
+        assert outcome == ["cancelled"]
+    finally:
+        portal.stop()
+
+
+def test_an_interrupted_close_still_closes_on_a_shared_portal() -> None:
+    portal = BlockingPortal()
+    steps: list[str] = []
+    started = threading.Event()
+
+    class SlowToClose(Resource):
+        async def aclose(self, *, timeout: float = 10.0) -> None:
+            started.set()
+            steps.append("releasing")
+            await asyncio.sleep(0.3)
+            steps.append("disconnected")
+
+    resource = SlowToClose()
+    facade = SyncFacade(resource, resource, portal)
+    main = threading.get_ident()
+    interrupter = threading.Thread(
+        target=lambda: started.wait(5.0) and signal.pthread_kill(main, signal.SIGINT)
+    )
+    try:
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            facade.close()
+        interrupter.join()
+        # A close cancelled half-way would leave the resource open, and a second close()
+        # does nothing: it must run to its end.
+        portal.call(lambda: asyncio.sleep(0.5))
+        assert steps == ["releasing", "disconnected"]
+    finally:
+        portal.stop()
 
 
 def test_backstop_adds_the_grace_to_a_timeout() -> None:
@@ -122,9 +185,11 @@ def test_close_waits_as_long_as_the_resources_close_may_take(
     waited: list[float | None] = []
     call = BlockingPortal.call
 
-    def spy(self: BlockingPortal, fn: Any, *args: Any, timeout: float | None = None) -> Any:
+    def spy(
+        self: BlockingPortal, fn: Any, *args: Any, timeout: float | None = None, **kw: Any
+    ) -> Any:
         waited.append(timeout)
-        return call(self, fn, *args, timeout=timeout)
+        return call(self, fn, *args, timeout=timeout, **kw)
 
     monkeypatch.setattr(BlockingPortal, "call", spy)
     resource = Resource()
