@@ -19,7 +19,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from pulsar_state import PulsarStateError
+from pulsar_state import OperationTimeoutError, PulsarStateError
 
 from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError
 from ._streams import EventStream, removing_all
@@ -30,6 +30,10 @@ __all__ = ["Leader", "LeaderElection"]
 RESOURCE = "leader"
 
 logger = logging.getLogger(__name__)
+
+# Between campaigns after a candidacy expired while it waited: doubling, up to the maximum.
+_RETRY_PAUSE_S = 0.05
+_RETRY_PAUSE_MAX_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,7 @@ class LeaderElection(OneLeaseRecipe):
         held = await self._kept(deadline)
         if held is not None:
             return Leader(held.owner, held.token, held.position)
+        pause = _RETRY_PAUSE_S
         while True:
             left = None if deadline is None else max(0.0, deadline - loop.time())
             try:
@@ -86,11 +91,23 @@ class LeaderElection(OneLeaseRecipe):
                 )
                 break
             except NotHeldError:
+                # Released by this table's close: not an expiry, nothing to campaign for.
+                self._ownership._check_usable()
                 # The waiting request expired: this process (or everyone: a stall in which
-                # nobody could write) did not renew it within its TTL. Still a candidate.
+                # nobody could write) did not renew it within its TTL. Still a candidate,
+                # after a pause (a TTL too short for this log expires every request at once:
+                # no loop of writes).
                 logger.warning(
-                    "the candidacy of %s expired while it waited; campaigning again", self.name
+                    "the candidacy of %s expired while it waited; campaigning again in %.2fs",
+                    self.name,
+                    pause,
                 )
+                if deadline is not None and loop.time() + pause >= deadline:
+                    raise OperationTimeoutError(
+                        f"{self.name}: the candidacy expired and the timeout ends before another"
+                    ) from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, _RETRY_PAUSE_MAX_S)
         self._lease = lease
         return Leader(lease.owner, lease.token, lease.position)
 

@@ -227,6 +227,7 @@ class Ownership:
         self._reap_wake_at = 0.0
         self._reaper: asyncio.Task[None] | None = None
         self._opened = False
+        self._open_called = False
         self._stopping = False
         self._closing = False  # aclose began: no request may be written any more
         self._closed = False
@@ -237,6 +238,11 @@ class Ownership:
         """Connect and replay the table up to the tail as of now."""
         if self._closed:
             raise ClosedError(f"ownership table on {self.topic} is closed")
+        if self._open_called:
+            # Before anything: a second open subscribed the table's listeners twice (every
+            # record handled twice) and replaced the Event the running reaper waits on.
+            raise ConfigurationError(f"ownership table on {self.topic} is already open")
+        self._open_called = True
         self._changed = asyncio.Event()
         self._manager.add_listener(self._on_record)
         self._manager.add_state_replaced_listener(self._on_state_replaced)
@@ -687,6 +693,9 @@ class Ownership:
         """Whether the local replica shows ``lease`` held and this clock says it has more than
         ``margin`` seconds left (no I/O). A hint for when to stop acting; fence writes."""
         self._check_usable()
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or not margin >= 0:
+            # (A negative one called a lease held after its expiry.)
+            raise ConfigurationError(f"margin must be a number of seconds >= 0, not {margin!r}")
         current = self._manager.read_local(lambda s: s.leases.get(lease.id))
         return current is not None and current.held and current.expires_at - margin > time.time()
 
@@ -944,6 +953,8 @@ class OneLeaseRecipe:
         self, pulsar: Any, topic: str, *, name: str | None = None, ttl: float = 10.0, **options: Any
     ) -> None:
         self.ttl = check_ttl(ttl)
+        if "owner" in options:
+            raise ConfigurationError(f"{type(self).__name__} is named by name=, not owner=")
         self._ownership = Ownership(pulsar, topic, owner=name, **options)
         self._lease: Lease | None = None
         # One campaign or join at a time: two would write two requests, and resign or leave

@@ -225,6 +225,58 @@ async def test_after_a_failed_resign_or_leave_campaign_and_join_keep_the_lease_a
         assert await election.current_leader() is None
 
 
+async def test_a_second_open_is_refused_before_it_changes_anything(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with owners(service_url, topic, admin_url) as table:
+        seen: list[str] = []
+        table.subscribe(lambda events, t: seen.extend(e.kind for e in events))
+        with pytest.raises(ConfigurationError, match="already open"):
+            await table.open()
+        lease = await table.acquire("x", ttl=10)
+        await table.release(lease)
+        # Before: the second open added the table's record listener again before the
+        # manager refused it, so every record was handled (and told) twice.
+        assert seen == ["requested", "granted", "released"]
+
+
+async def test_bad_margins_and_options_of_the_lease_recipes_are_refused(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    with pytest.raises(ConfigurationError, match="name="):
+        LeaderElection(service_url, topic, owner="x", **recipe_options(admin_url))
+    with pytest.raises(ConfigurationError, match="name="):
+        Membership(service_url, topic, owner="x", **recipe_options(admin_url))
+    async with owners(service_url, topic, admin_url) as table:
+        lease = await table.acquire("x", ttl=10)
+        for margin in (-5, "1", None, True, float("nan")):
+            # Before: -5 called the lease held 5 s past its expiry; the others raised
+            # TypeError or answered False.
+            with pytest.raises(ConfigurationError, match="margin"):
+                table.is_held(lease, margin=margin)  # type: ignore[arg-type]
+        assert table.is_held(lease, margin=1)
+        await table.release(lease)
+
+
+async def test_a_candidacy_that_keeps_expiring_campaigns_again_after_a_pause(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    options = recipe_options(admin_url)
+    async with (
+        LeaderElection(service_url, topic, name="a", ttl=30, **options) as leader,
+        LeaderElection(service_url, topic, name="b", ttl=0.001, **options) as hopeless,
+    ):
+        await leader.campaign(timeout=WAIT_S)
+        before = leader.ownership.position
+        with pytest.raises(OperationTimeoutError):
+            await hopeless.campaign(timeout=1.0)  # each request expires at once
+        await leader.ownership.manager.sync()
+        # Before: a loop of writes with no pause (22 records in that second, here).
+        written = leader.ownership.position - before
+        assert written <= 12, written
+        assert leader.is_leader()
+
+
 async def test_a_member_with_two_leases_joins_once_and_leaves_with_its_last(
     service_url: str, admin_url: str, topic: str
 ) -> None:
