@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import socket
@@ -81,6 +82,8 @@ logger = logging.getLogger(__name__)
 # After a lease is due by the local clock, wait this long (plus jitter, so that not every
 # replica races to append the same tick) before appending the tick that expires it.
 _REAP_GRACE_S = 0.05
+# A keep-alive whose renewals keep failing warns at most this often per lease.
+_RENEW_WARN_EVERY_S = 5.0
 _REAP_JITTER_S = 0.1
 # Re-check at least this often even without news (a backstop; the listener wakes it).
 _REAP_IDLE_S = 5.0
@@ -211,6 +214,8 @@ class Ownership:
         self._pending: dict[str, asyncio.Future[Lease]] = {}
         # lease id -> the timer of its next renewal, or the task renewing it now
         self._keepers: dict[str, asyncio.TimerHandle | asyncio.Task[None]] = {}
+        # Lease id -> (renewals failed in a row, when the last warning was logged).
+        self._renew_failures: dict[str, tuple[int, float]] = {}
         self._mine: set[str] = set()  # ids of this Ownership's requests and leases
         # Requests of acquires that failed while their record could still land (sent or
         # relayed, its outcome unknown): lease id -> Unix time after which this Ownership
@@ -248,6 +253,8 @@ class Ownership:
         self._manager.add_state_replaced_listener(self._on_state_replaced)
         await self._manager.open(timeout=timeout)
         self._opened = True
+        # What a fall-forward before any record is told against (else it told nothing).
+        self._seen = self._manager.read_local(_whole)
         if self._reap:
             self._reaper = asyncio.get_running_loop().create_task(
                 self._reap_loop(), name=f"ownership-reaper-{self.topic}"
@@ -871,6 +878,7 @@ class Ownership:
         )
 
     def _stop_keeping(self, lease_id: str) -> None:
+        self._renew_failures.pop(lease_id, None)
         keeper = self._keepers.pop(lease_id, None)
         if keeper is not None and keeper is not asyncio.current_task():
             keeper.cancel()
@@ -888,14 +896,31 @@ class Ownership:
         try:
             renewed = await self._renew(lease_id, None, timeout=max(interval, 0.5))
             next_in = renewed.ttl / 3
+            failures = self._renew_failures.pop(lease_id, None)
+            if failures is not None:
+                logger.info("renewed lease %s after %d failed tries", lease_id, failures[0])
         except NotHeldError:
+            self._renew_failures.pop(lease_id, None)
             logger.warning("lease %s was lost: it expired before it could be renewed", lease_id)
             self._keepers.pop(lease_id, None)
             return
         except ClosedError:
             return
         except PulsarStateError as exc:
-            logger.warning("renewing lease %s failed (%s); retrying", lease_id, exc)
+            # Warned once per _RENEW_WARN_EVERY_S a lease: retries come every 50 ms at worst.
+            now = time.monotonic()
+            count, warned_at = self._renew_failures.get(lease_id, (0, -math.inf))
+            if now - warned_at >= _RENEW_WARN_EVERY_S:
+                logger.warning(
+                    "renewing lease %s failed (%s, %d tries so far); retrying",
+                    lease_id,
+                    exc,
+                    count + 1,
+                )
+                warned_at = now
+            else:
+                logger.debug("renewing lease %s failed again (%s); retrying", lease_id, exc)
+            self._renew_failures[lease_id] = (count + 1, warned_at)
             next_in = max(interval / 2, 0.05)
         # Released (or lost) meanwhile: _stop_keeping dropped this task from the keepers.
         if self._keepers.get(lease_id) is asyncio.current_task() and not self._stopping:

@@ -542,6 +542,30 @@ async def test_a_release_that_returns_released_the_lease(
         assert kinds == ["released"]
 
 
+async def test_a_table_that_falls_forward_before_any_record_tells_what_changed(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    async with (
+        owners(service_url, topic, admin_url, owner="a", snapshots=True, trim_history=True) as a,
+        owners(service_url, topic, admin_url, owner="b", snapshots=True) as b,
+    ):
+        changes: list[tuple[str, str]] = []
+        a.subscribe(lambda events, table: changes.extend((e.kind, e.lease.owner) for e in events))
+        replica = a.manager._replica  # test-only: a's replica skips b's records
+        on_message = replica.on_message
+        replica.on_message = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        held = await b.acquire("x", ttl=30, keep_alive=False)
+        manifest = await b.manager.snapshot()
+        replica.on_message = on_message  # type: ignore[method-assign]
+        await replica._fall_forward_to(
+            manifest.position, lambda: PulsarStateError("no snapshot to fall forward to")
+        )
+        # Before: a table that had applied no record since it opened told nothing.
+        assert changes == [("granted", "b")]
+        assert [lease.owner for lease in a.holders_local("x")] == ["b"]
+        await b.release(held)
+
+
 async def test_a_table_that_falls_forward_tells_what_changed(
     service_url: str, admin_url: str, topic: str
 ) -> None:

@@ -4,6 +4,7 @@ and streams, a subscriber that raises, a renewal that changes the TTL, options i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -18,6 +19,7 @@ from pulsar_state import (
     ReplicaHaltedError,
     SharedStateManager,
     WriteOutcomeUnknownError,
+    WriterBusyError,
 )
 from pulsar_state._relay import TURN_REQUEST, is_release_notice
 from pulsar_state._writer import Writer
@@ -275,6 +277,32 @@ async def test_a_candidacy_that_keeps_expiring_campaigns_again_after_a_pause(
         written = leader.ownership.position - before
         assert written <= 12, written
         assert leader.is_leader()
+
+
+async def test_renewals_that_keep_failing_are_warned_about_once_in_a_while(
+    service_url: str,
+    admin_url: str,
+    topic: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def failing(self: Ownership, lease_id: str, ttl: Any, timeout: Any = None) -> Any:
+        raise WriterBusyError("renewal refused (injected)")
+
+    async with owners(service_url, topic, admin_url) as table:
+        lease = await table.acquire("x", ttl=0.6)  # renewed every 0.2 s
+        with caplog.at_level(logging.DEBUG, logger="recipes.ownership"):
+            with monkeypatch.context() as patch:
+                patch.setattr(Ownership, "_renew", failing)
+                await asyncio.sleep(1.0)  # retries every 50-100 ms once failing
+            await asyncio.sleep(0.4)  # a renewal succeeds (if the lease still holds)
+        failed = [r for r in caplog.records if "renewing lease" in r.getMessage()]
+        warned = [r for r in failed if r.levelno == logging.WARNING]
+        # Before: one warning per try (10 in that second, here).
+        assert len(failed) >= 5
+        assert len(warned) == 1
+        with contextlib.suppress(NotHeldError):
+            await table.release(lease)
 
 
 async def test_a_member_with_two_leases_joins_once_and_leaves_with_its_last(
