@@ -119,7 +119,8 @@ class LeaderElection(OneLeaseRecipe):
     def lease(self) -> Lease | None:
         """This candidate's lease while it leads (its token fences writes), else None: once
         the local replica or this clock says the lease ended (expired, released, or this
-        election closed or halted), not the lease it won last."""
+        election closed or halted), not the lease it won last. Its ``expires_at`` is the
+        grant's: renewals move the table's, which ``is_leader(margin=...)`` reads."""
         try:
             return self._lease if self.is_leader() else None
         except PulsarStateError:  # closed or halted: it leads no more, as far as it knows
