@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 # Between campaigns after a candidacy expired while it waited: doubling, up to the maximum.
 _RETRY_PAUSE_S = 0.05
 _RETRY_PAUSE_MAX_S = 1.0
+# The least time a campaign again must have left after its pause.
+_RETRY_ROOM_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,9 @@ class LeaderElection(OneLeaseRecipe):
 
     async def campaign(self, *, timeout: float | None = None) -> Leader:
         """Wait until this candidate leads (at most ``timeout`` s, then OperationTimeoutError
-        and the candidacy is withdrawn); returns its term (the current one if it already
+        and the candidacy is withdrawn; a candidacy that expired while it waited, as in a stall
+        longer than the TTL, is put again after a pause of 50 ms to 1 s, unless too little of
+        the timeout is left); returns its term (the current one if it already
         leads, renewed from now on if a :meth:`resign` that failed stopped its renewals).
         Leadership is kept alive until :meth:`resign` or close."""
         loop = asyncio.get_running_loop()
@@ -82,7 +86,7 @@ class LeaderElection(OneLeaseRecipe):
         held = await self._kept(deadline)
         if held is not None:
             return Leader(held.owner, held.token, held.position)
-        pause = _RETRY_PAUSE_S
+        pause, expiries = _RETRY_PAUSE_S, 0
         while True:
             left = None if deadline is None else max(0.0, deadline - loop.time())
             try:
@@ -96,16 +100,21 @@ class LeaderElection(OneLeaseRecipe):
                 # The waiting request expired: this process (or everyone: a stall in which
                 # nobody could write) did not renew it within its TTL. Still a candidate,
                 # after a pause (a TTL too short for this log expires every request at once:
-                # no loop of writes).
-                logger.warning(
-                    "the candidacy of %s expired while it waited; campaigning again in %.2fs",
+                # no loop of writes), if time is left for more than a request and its withdraw.
+                if deadline is not None and loop.time() + pause + _RETRY_ROOM_S >= deadline:
+                    raise OperationTimeoutError(
+                        f"{self.name}: the candidacy expired while it waited, too close to the "
+                        "timeout to campaign again"
+                    ) from None
+                expiries += 1
+                logger.log(
+                    logging.WARNING if expiries == 1 or expiries % 10 == 0 else logging.DEBUG,
+                    "the candidacy of %s expired while it waited (%d times); campaigning "
+                    "again in %.2fs",
                     self.name,
+                    expiries,
                     pause,
                 )
-                if deadline is not None and loop.time() + pause >= deadline:
-                    raise OperationTimeoutError(
-                        f"{self.name}: the candidacy expired and the timeout ends before another"
-                    ) from None
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, _RETRY_PAUSE_MAX_S)
         self._lease = lease

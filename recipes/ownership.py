@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import numbers
 import os
 import random
 import socket
@@ -240,9 +241,12 @@ class Ownership:
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self, *, timeout: float | None = None) -> None:
-        """Connect and replay the table up to the tail as of now."""
+        """Connect and replay the table up to the tail as of now (once: a table whose open
+        failed is closed; create another)."""
         if self._closed:
-            raise ClosedError(f"ownership table on {self.topic} is closed")
+            raise ClosedError(
+                f"ownership table on {self.topic} is closed (or its open failed): create another"
+            )
         if self._open_called:
             # Before anything: a second open subscribed the table's listeners twice (every
             # record handled twice) and replaced the Event the running reaper waits on.
@@ -251,7 +255,11 @@ class Ownership:
         self._changed = asyncio.Event()
         self._manager.add_listener(self._on_record)
         self._manager.add_state_replaced_listener(self._on_state_replaced)
-        await self._manager.open(timeout=timeout)
+        try:
+            await self._manager.open(timeout=timeout)
+        except BaseException:
+            self._closed = True  # the manager closed itself: this table is spent
+            raise
         self._opened = True
         # What a fall-forward before any record is told against (else it told nothing).
         self._seen = self._manager.read_local(_whole)
@@ -700,9 +708,10 @@ class Ownership:
         """Whether the local replica shows ``lease`` held and this clock says it has more than
         ``margin`` seconds left (no I/O). A hint for when to stop acting; fence writes."""
         self._check_usable()
-        if isinstance(margin, bool) or not isinstance(margin, int | float) or not margin >= 0:
+        if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not margin >= 0:
             # (A negative one called a lease held after its expiry.)
             raise ConfigurationError(f"margin must be a number of seconds >= 0, not {margin!r}")
+        margin = float(margin)
         current = self._manager.read_local(lambda s: s.leases.get(lease.id))
         return current is not None and current.held and current.expires_at - margin > time.time()
 
