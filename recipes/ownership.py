@@ -1035,6 +1035,7 @@ class OneLeaseRecipe:
             renewed = await self._ownership.renew(lease, keep_alive=True, timeout=left)
         except NotHeldError:  # it expired meanwhile
             return None
+        self._ownership._check_usable()  # closing meanwhile: ClosedError, as for a request
         if self._lease is not lease:  # resigned or left meanwhile
             return None
         self._lease = renewed

@@ -227,6 +227,42 @@ async def test_after_a_failed_resign_or_leave_campaign_and_join_keep_the_lease_a
         assert await election.current_leader() is None
 
 
+async def test_a_campaign_whose_renewal_returns_after_the_election_closed_ends_closed(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def failing(self: Ownership, lease: Any, timeout: float | None = None) -> None:
+        raise OperationTimeoutError("the release's write did not finish (injected)")
+
+    gate = asyncio.Event()
+    election = LeaderElection(service_url, topic, name="a", ttl=10, **recipe_options(admin_url))
+    await election.open()
+    try:
+        await election.campaign(timeout=WAIT_S)
+        lease = election.lease
+        assert lease is not None
+        with monkeypatch.context() as patch:
+            patch.setattr(Ownership, "_write_release", failing)
+            with pytest.raises(OperationTimeoutError):
+                await election.resign()  # the renewals stop; campaign() renews it again
+
+        async def held_back(self: Ownership, lease_id: str, ttl: Any, timeout: Any = None) -> Any:
+            await gate.wait()  # the renewal's write, in flight while the election closes
+            return lease
+
+        monkeypatch.setattr(Ownership, "_renew", held_back)
+        again = asyncio.ensure_future(election.campaign(timeout=WAIT_S))
+        await asyncio.sleep(0.1)
+        closing = asyncio.ensure_future(election.aclose())
+        await asyncio.sleep(0.1)
+        gate.set()
+        # Before: campaign() returned the term of an election already closing.
+        with pytest.raises(ClosedError):
+            await again
+        await closing
+    finally:
+        await election.aclose()
+
+
 async def test_a_second_open_is_refused_before_it_changes_anything(
     service_url: str, admin_url: str, topic: str
 ) -> None:
