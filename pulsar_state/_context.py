@@ -8,6 +8,7 @@ applies from their next step on.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
@@ -41,18 +42,61 @@ class Settings:
     snapshot_every_bytes: int | None
 
     def __post_init__(self) -> None:
-        for name in ("idle_release_s", "relay_idle_release_s"):
-            value = getattr(self, name)
-            if value is None and name == "relay_idle_release_s":
-                continue  # idle_release_s applies
-            if not (_seconds(value) and math.isfinite(value) and value >= 0):
-                raise ConfigurationError(
-                    f"{name} must be a finite number of seconds >= 0, not {value!r}"
-                )
-        if min(self.max_writes_per_record, self.max_writes_per_batch) < 1:
-            raise ConfigurationError("max_writes_per_* must be >= 1")
-        if self.max_record_bytes < 1024:
-            raise ConfigurationError("max_record_bytes must be >= 1024")
+        for name in _RULES:
+            check_setting(name, getattr(self, name))
+
+
+def _number(value: object) -> float | None:
+    return float(value) if _seconds(value) else None  # type: ignore[arg-type]
+
+
+def _finite_seconds(value: object) -> bool:
+    number = _number(value)
+    return number is not None and math.isfinite(number) and number >= 0
+
+
+def _any_seconds(value: object) -> bool:  # inf allowed (never); NaN is not >= 0
+    number = _number(value)
+    return number is not None and number >= 0
+
+
+def _timeout(value: object) -> bool:  # inf: no limit
+    number = _number(value)
+    return number is not None and number > 0
+
+
+def _count(least: int) -> Callable[[object], bool]:
+    return lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+# Each setting: whether a value is allowed, what it must be (the error says), and whether
+# None is allowed. Checked at construction and whenever one is set on a running manager.
+_RULES: dict[str, tuple[Callable[[object], bool], str, bool]] = {
+    "idle_release_s": (_finite_seconds, "a finite number of seconds >= 0", False),
+    "relay_idle_release_s": (_finite_seconds, "a finite number of seconds >= 0", True),
+    "max_hold_s": (_finite_seconds, "a finite number of seconds >= 0", False),
+    "acquire_timeout_s": (_timeout, "a number of seconds > 0", False),
+    "takeover_after_s": (_any_seconds, "a number of seconds >= 0", True),
+    "write_timeout_s": (_timeout, "a number of seconds > 0", False),
+    "read_timeout_s": (_timeout, "a number of seconds > 0", False),
+    "open_timeout_s": (_timeout, "a number of seconds > 0", False),
+    "max_record_bytes": (_count(1024), "an int >= 1024", False),
+    "max_writes_per_record": (_count(1), "an int >= 1", False),
+    "max_writes_per_batch": (_count(1), "an int >= 1", False),
+    "snapshot_every_records": (_count(1), "an int >= 1", True),
+    "snapshot_every_bytes": (_count(1), "an int >= 1", True),
+}
+
+
+def check_setting(name: str, value: object) -> None:
+    """ConfigurationError unless ``value`` is allowed for the setting ``name`` (a timeout of
+    NaN or -1, or a string, slipped through and failed later, far from its cause)."""
+    allowed, must_be, none_allowed = _RULES[name]
+    if value is None and none_allowed:
+        return
+    if not allowed(value):
+        none = " or None" if none_allowed else ""
+        raise ConfigurationError(f"{name} must be {must_be}{none}, not {value!r}")
 
 
 @dataclass(eq=False, slots=True)
@@ -91,6 +135,7 @@ class Setting(Generic[T]):
         return value
 
     def __set__(self, obj: object, value: T) -> None:
+        check_setting(self._name, value)
         setattr(self._settings_of(obj), self._name, value)
 
     @staticmethod
