@@ -299,9 +299,11 @@ class Writer:
     def _remember_failure(self, state: RetryCallState) -> None:
         failed = state.outcome.exception() if state.outcome is not None else None
         self._held_elsewhere = isinstance(failed, WriterBusyError)
-        if failed is not None and not isinstance(failed, WriterBusyError):
+        if failed is not None:
+            # Named by a write that times out meanwhile (held elsewhere, too: the usual cause).
             self._pending.last_failure = failed
-            logger.debug("acquiring the writer of %s: %s; retrying", self._topic, failed)
+            if not self._held_elsewhere:  # (expected, and every few ms: not logged)
+                logger.debug("acquiring the writer of %s: %s; retrying", self._topic, failed)
 
     def _log_failure(self, state: RetryCallState) -> None:
         failed = state.outcome.exception() if state.outcome is not None else None
@@ -551,7 +553,10 @@ class Writer:
         self._pending.expire(now)  # drops the failed ones from the queue
 
     def _fail_busy(self, waiting: PendingWrite, waited: float) -> None:
-        if waiting.outstanding:  # sent before: its outcome is unknown
+        # Its own deadline reached: a timeout, whichever of the deadline watchdog and the
+        # attempt at the writer sees it first (the last error names the holder). Sent
+        # before: its outcome is unknown. Else its wait for the writer ran out first.
+        if waiting.outstanding or asyncio.get_running_loop().time() >= waiting.deadline:
             self._pending.fail_timeout(waiting)
         else:
             waiting.future.set_exception(

@@ -212,6 +212,22 @@ async def test_a_write_that_ended_while_its_batch_checked_its_state_is_never_sen
         assert await seen_by(manager) == {"a": 1, "b": 1}
 
 
+async def test_a_write_that_times_out_waiting_for_a_held_writer_says_it_was_held(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
+    async with (
+        counter_manager(service_url, topic, admin_url, **hold) as holder,
+        counter_manager(service_url, topic, admin_url, relay_writes=False) as waiter,
+    ):
+        await holder.write(lambda s: [incr()])
+        with pytest.raises(OperationTimeoutError) as caught:
+            await waiter.write(lambda s: [incr("late")], timeout=1.0)
+        # Before: "timed out; nothing was appended", the cause unnamed.
+        assert "exclusive writer" in str(caught.value)
+        assert "nothing was appended" in str(caught.value)
+
+
 async def test_a_write_queued_late_in_a_wait_for_the_writer_waits_its_own_acquire_timeout(
     service_url: str, admin_url: str, topic: str
 ) -> None:
