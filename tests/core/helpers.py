@@ -17,6 +17,9 @@ from pulsar_state._pulsar import LogPosition, StateWriter
 Counter = dict[str, Any]
 
 
+Manager = SharedStateManager[Counter, dict[str, Any]]
+
+
 def new_counter() -> Counter:
     return {"count": 0, "seen": {}}
 
@@ -124,3 +127,20 @@ def fail_send_number(monkeypatch: pytest.MonkeyPatch, number: int) -> dict[str, 
 
     monkeypatch.setattr(StateWriter, "send_nowait", failing)
     return calls
+
+
+@asynccontextmanager
+async def writer_held_elsewhere(
+    service_url: str, topic: str, admin_url: str, **waiter_options: Any
+) -> AsyncIterator[tuple[Manager, Manager]]:
+    """A ``holder`` that has written and keeps the topic's writer (an hour), and a
+    ``waiter``; neither relays writes, so the waiter's writes wait for the writer."""
+    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
+    async with (
+        counter_manager(service_url, topic, admin_url, **hold) as holder,
+        counter_manager(
+            service_url, topic, admin_url, relay_writes=False, **waiter_options
+        ) as waiter,
+    ):
+        await holder.write(lambda s: [incr()])
+        yield holder, waiter

@@ -31,6 +31,7 @@ from tests.core.helpers import (
     raw_producer,
     seen_by,
     topic_message_count,
+    writer_held_elsewhere,
 )
 from tests.support.broker import admin_request
 
@@ -364,14 +365,8 @@ async def test_busy_writer_times_out_with_writer_busy(
     service_url: str, admin_url: str, topic: str
 ) -> None:
     # Without the write relay (the waiter's write would go through the holder).
-    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
-    async with (
-        counter_manager(service_url, topic, admin_url, **hold) as holder,
-        counter_manager(
-            service_url, topic, admin_url, acquire_timeout_s=1.5, relay_writes=False
-        ) as waiter,
-    ):
-        await holder.write(lambda s: [incr()])
+    held = writer_held_elsewhere(service_url, topic, admin_url, acquire_timeout_s=1.5)
+    async with held as (_, waiter):
         with pytest.raises(WriterBusyError) as busy:
             await waiter.write(lambda s: [incr()])
         assert busy.value.retriable
@@ -402,14 +397,8 @@ async def test_takeover_with_fencing_after_configured_wait(
 async def test_write_timeout_is_enforced_while_waiting_for_the_writer(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
-    async with (
-        counter_manager(service_url, topic, admin_url, **hold) as holder,
-        counter_manager(
-            service_url, topic, admin_url, acquire_timeout_s=3600, relay_writes=False
-        ) as waiter,
-    ):
-        await holder.write(lambda s: [incr()])
+    held = writer_held_elsewhere(service_url, topic, admin_url, acquire_timeout_s=3600)
+    async with held as (holder, waiter):
         # A timeout (its deadline came before acquire_timeout_s), whichever of the deadline
         # watchdog and the attempt at the writer sees it first: it was either error before.
         with pytest.raises(OperationTimeoutError) as timed_out:

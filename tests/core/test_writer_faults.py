@@ -20,7 +20,13 @@ from pulsar_state import (
 from pulsar_state._pulsar import LogPosition, StateReader, StateWriter
 from pulsar_state._replica import Replica
 from pulsar_state._writer import Writer
-from tests.core.helpers import counter_manager, fail_send_number, incr, seen_by
+from tests.core.helpers import (
+    counter_manager,
+    fail_send_number,
+    incr,
+    seen_by,
+    writer_held_elsewhere,
+)
 
 
 async def wait_until_forgotten(manager: Any, timeout: float = 10.0) -> int:
@@ -215,12 +221,8 @@ async def test_a_write_that_ended_while_its_batch_checked_its_state_is_never_sen
 async def test_a_write_that_times_out_waiting_for_a_held_writer_says_it_was_held(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
-    async with (
-        counter_manager(service_url, topic, admin_url, **hold) as holder,
-        counter_manager(service_url, topic, admin_url, relay_writes=False) as waiter,
-    ):
-        await holder.write(lambda s: [incr()])
+    held = writer_held_elsewhere(service_url, topic, admin_url)
+    async with held as (_, waiter):
         with pytest.raises(OperationTimeoutError) as caught:
             await waiter.write(lambda s: [incr("late")], timeout=1.0)
         # Before: "timed out; nothing was appended", the cause unnamed.
@@ -231,14 +233,8 @@ async def test_a_write_that_times_out_waiting_for_a_held_writer_says_it_was_held
 async def test_a_write_queued_late_in_a_wait_for_the_writer_waits_its_own_acquire_timeout(
     service_url: str, admin_url: str, topic: str
 ) -> None:
-    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
-    async with (
-        counter_manager(service_url, topic, admin_url, **hold) as holder,
-        counter_manager(
-            service_url, topic, admin_url, relay_writes=False, acquire_timeout_s=2.0
-        ) as waiter,
-    ):
-        await holder.write(lambda s: [incr()])
+    held = writer_held_elsewhere(service_url, topic, admin_url, acquire_timeout_s=2.0)
+    async with held as (holder, waiter):
         loop = asyncio.get_running_loop()
         started = loop.time()
         first = asyncio.ensure_future(waiter.write(lambda s: [incr("first")], timeout=30.0))
@@ -260,12 +256,8 @@ async def test_a_write_queued_while_another_waits_for_the_writer_keeps_its_own_t
     service_url: str, admin_url: str, topic: str
 ) -> None:
     # Without the write relay, so that the waiter's writes wait for the topic's writer.
-    hold = {"idle_release_s": 3600.0, "max_hold_s": 3600.0, "relay_writes": False}
-    async with (
-        counter_manager(service_url, topic, admin_url, **hold) as holder,
-        counter_manager(service_url, topic, admin_url, relay_writes=False) as waiter,
-    ):
-        await holder.write(lambda s: [incr()])
+    held = writer_held_elsewhere(service_url, topic, admin_url)
+    async with held as (holder, waiter):
         first = asyncio.ensure_future(waiter.write(lambda s: [incr("first")], timeout=1.0))
         await asyncio.sleep(0.3)  # the waiter is trying to take the writer for the first
         second = asyncio.ensure_future(waiter.write(lambda s: [incr("second")], timeout=30.0))
