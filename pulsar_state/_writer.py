@@ -443,11 +443,11 @@ class Writer:
                 reraise=True,
             ):
                 with attempt:
-                    pending.expire(loop.time())
                     if not ahead and self._held_elsewhere:
                         # Held by another process: each write waits for it acquire_timeout_s
                         # of its own. Through an outage they wait on until their deadlines.
                         self._fail_waited_out(started, settings.acquire_timeout_s)
+                    pending.expire(loop.time())  # (drops the writes failed just now too)
                     if ahead and pending.queue:
                         # A write came: acquire for it instead (its budget, its takeover).
                         return
@@ -529,13 +529,17 @@ class Writer:
         return [w for w in self._pending.queue if not w.future.done()] + relayed
 
     @staticmethod
-    def _wait_end(write: PendingWrite, started: float, budget: float) -> float:
-        # A write waits ``budget`` s for the writer from when it came (from the start of
-        # this attempt if it came before), and never past its deadline.
-        return min(max(write.submitted_at, started) + budget, write.deadline)
+    def _wait_start(write: PendingWrite, started: float) -> float:
+        # A write waits for the writer from when it came, or from the start of this attempt
+        # if it came before.
+        return max(write.submitted_at, started)
+
+    def _wait_end(self, write: PendingWrite, started: float, budget: float) -> float:
+        # ``budget`` s after its wait began, and never past its deadline.
+        return min(self._wait_start(write, started) + budget, write.deadline)
 
     def _oldest_wait_start(self, started: float) -> float:
-        starts = [max(w.submitted_at, started) for w in self._waiting_writes()]
+        starts = [self._wait_start(w, started) for w in self._waiting_writes()]
         return min(starts, default=started)
 
     def _latest_wait_end(self, started: float, budget: float) -> float:
@@ -545,12 +549,11 @@ class Writer:
 
     def _fail_waited_out(self, started: float, budget: float) -> None:
         """Fail the queued writes whose wait for the writer is over while the attempt goes
-        on for later ones (each with its own wait)."""
+        on for later ones (each with its own wait); the caller's ``expire`` drops them."""
         now = asyncio.get_running_loop().time()
         for waiting in self._pending.queue:
             if not waiting.future.done() and now >= self._wait_end(waiting, started, budget):
-                self._fail_busy(waiting, now - max(waiting.submitted_at, started))
-        self._pending.expire(now)  # drops the failed ones from the queue
+                self._fail_busy(waiting, now - self._wait_start(waiting, started))
 
     def _fail_busy(self, waiting: PendingWrite, waited: float) -> None:
         # Its own deadline reached: a timeout, whichever of the deadline watchdog and the

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,20 @@ def test_call_sync_runs_on_the_portal_thread_and_returns() -> None:
         portal.call_sync(lambda: None)
 
 
+@contextlib.contextmanager
+def ctrl_c_once(started: threading.Event) -> Iterator[None]:
+    """Send this thread a SIGINT (Ctrl-C) once ``started`` is set, from another thread."""
+    main = threading.get_ident()
+    interrupter = threading.Thread(
+        target=lambda: started.wait(5.0) and signal.pthread_kill(main, signal.SIGINT)
+    )
+    interrupter.start()
+    try:
+        yield
+    finally:
+        interrupter.join()
+
+
 def test_an_interrupted_blocking_call_is_cancelled_on_the_portal() -> None:
     portal = BlockingPortal()
     outcome: list[str] = []
@@ -50,16 +66,10 @@ def test_an_interrupted_blocking_call_is_cancelled_on_the_portal() -> None:
             outcome.append("cancelled")
             raise
 
-    main = threading.get_ident()
-    interrupter = threading.Thread(
-        target=lambda: started.wait(5.0) and signal.pthread_kill(main, signal.SIGINT)
-    )
     try:
-        interrupter.start()
         # Before: the KeyboardInterrupt reached the caller and the call ran on to the end.
-        with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_once(started), pytest.raises(KeyboardInterrupt):
             portal.call(long_call)
-        interrupter.join()
         portal.call_sync(lambda: None)  # a loop turn: the cancellation has run
         assert outcome == ["cancelled"]
     finally:
@@ -80,15 +90,9 @@ def test_an_interrupted_close_still_closes_on_a_shared_portal() -> None:
 
     resource = SlowToClose()
     facade = SyncFacade(resource, resource, portal)
-    main = threading.get_ident()
-    interrupter = threading.Thread(
-        target=lambda: started.wait(5.0) and signal.pthread_kill(main, signal.SIGINT)
-    )
     try:
-        interrupter.start()
-        with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_once(started), pytest.raises(KeyboardInterrupt):
             facade.close()
-        interrupter.join()
         # A close cancelled half-way would leave the resource open, and a second close()
         # does nothing: it must run to its end.
         portal.call(lambda: asyncio.sleep(0.5))
