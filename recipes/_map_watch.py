@@ -24,6 +24,7 @@ __all__ = ["MapWatch", "WatchHub", "WatchOverflowError"]
 
 K = TypeVar("K")
 V = TypeVar("V")
+Q = TypeVar("Q")
 
 # A position no replica reaches: waiting for it ends only when the replica halts or closes.
 _NEVER = 2**62
@@ -39,9 +40,10 @@ def _readable(event: MapEvent[K, V]) -> MapEvent[K, V]:
 class WatchOverflowError(PulsarStateError):
     """A watch's consumer fell more than ``max_queue`` changes behind; the watch has stopped.
 
-    The events it had queued are dropped. ``position`` is the position of the last change the
-    consumer received (the snapshot's position if none): open a new watch to resynchronise from
-    a fresh snapshot.
+    The events it had queued are dropped. ``position`` is the log position up to which the
+    consumer received every change (the snapshot's position if none; the one before a record
+    whose changes it received only some of): open a new watch to resynchronise from a fresh
+    snapshot.
     """
 
     retriable = True
@@ -50,6 +52,18 @@ class WatchOverflowError(PulsarStateError):
         super().__init__(message)
         self.max_queue = max_queue
         self.position = position
+
+
+def received_through(at: int, queue: deque[Q], position_of: Callable[[Q], int]) -> int:
+    """The log position up to which a consumer that just took an item of the record at
+    ``at`` received every item: ``at``, unless more of that record's items still wait in
+    ``queue`` (an overflow then drops them: a consumer resuming after ``at`` would miss them).
+    """
+    return at - 1 if queue and position_of(queue[0]) == at else at
+
+
+def _position_of(event: MapEvent[K, V]) -> int:
+    return event.position
 
 
 class _Feed(Generic[K, V]):
@@ -154,7 +168,9 @@ class MapWatch(Generic[K, V]):
                         return _readable(feed.initial.popleft())
                     if feed.queue:
                         event = feed.queue.popleft()
-                        feed.delivered_position = event.position
+                        feed.delivered_position = received_through(
+                            event.position, feed.queue, _position_of
+                        )
                         return _readable(event)
                     if feed.error is not None:
                         break  # raised below: the error may itself be a TimeoutError

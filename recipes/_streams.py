@@ -9,7 +9,7 @@ from typing import Generic, TypeVar
 
 from pulsar_state import ClosedError, ConfigurationError, OperationTimeoutError, PulsarStateError
 
-from ._map_watch import WatchOverflowError
+from ._map_watch import WatchOverflowError, received_through
 
 __all__ = ["EventStream", "removing_all"]
 
@@ -22,7 +22,8 @@ class EventStream(Generic[T]):
     At most ``max_queue`` items wait for the consumer (the initial snapshot does not count,
     and a consumer with none waiting takes one record's items whatever their number). One
     further behind gets :class:`~recipes.WatchOverflowError`, whose ``position`` is the log
-    position of the last item it received (the snapshot's if none): the changes queued are
+    position up to which it received every item (the snapshot's if none; the one before a
+    record whose items it received only some of): the changes queued are
     dropped, the rest of the snapshot is still delivered first, and the stream stops (open a
     new one to start again from the current state). If the recipe closes or its replica
     halts, the queued items are delivered, then that error is raised.
@@ -36,7 +37,8 @@ class EventStream(Generic[T]):
         self._initial: deque[T] = deque(initial)
         self._queue: deque[tuple[T, int]] = deque()
         self._max_queue = max_queue
-        self._received = position  # the log position of the last item the consumer took
+        # Every item up to this log position was taken by the consumer.
+        self._received = position
         self._wake = asyncio.Event()
         self._error: PulsarStateError | None = None
         self._closed = False
@@ -82,7 +84,8 @@ class EventStream(Generic[T]):
                     if self._initial:
                         return self._initial.popleft()
                     if self._queue:
-                        item, self._received = self._queue.popleft()
+                        item, at = self._queue.popleft()
+                        self._received = received_through(at, self._queue, lambda q: q[1])
                         return item
                     if self._error is not None:
                         raise self._error.with_traceback(None)

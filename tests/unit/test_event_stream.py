@@ -1,12 +1,14 @@
-"""EventStream, the queue behind leaders() and events(): what counts against max_queue (no
-broker)."""
+"""EventStream, the queue behind leaders() and events(), and MapWatch's: what counts against
+max_queue and the position an overflow names (no broker)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pulsar_state import ConfigurationError, OperationTimeoutError
-from recipes import WatchOverflowError
+from pulsar_state import AppliedRecord, ConfigurationError, OperationTimeoutError
+from recipes import MapEvent, MapVersion, WatchOverflowError
+from recipes._map_ops import MapState
+from recipes._map_watch import MapWatch, _Feed
 from recipes._streams import EventStream
 
 
@@ -64,3 +66,51 @@ async def test_next_times_out_and_close_ends_iteration() -> None:
 def test_max_queue_must_be_a_positive_int(bad: object) -> None:
     with pytest.raises(ConfigurationError, match="max_queue"):
         EventStream([], max_queue=bad, position=0)  # type: ignore[arg-type]
+
+
+async def test_an_overflow_in_the_middle_of_a_record_names_the_position_before_it() -> None:
+    stream: EventStream[str] = EventStream([], max_queue=3, position=0)
+    stream.push(["a1", "a2", "a3"], 4)  # one record, three items (a membership change)
+    assert await stream.next(timeout=1) == "a1"
+    stream.push(["b1", "b2"], 5)  # a2, a3 waiting: two more is four against three
+    with pytest.raises(WatchOverflowError) as caught:
+        await stream.next(timeout=1)
+    # a2 and a3 were dropped: a consumer resuming after position 4 would never see them.
+    # Before: 4.
+    assert caught.value.position == 3
+
+
+async def test_a_record_taken_whole_counts_as_received() -> None:
+    stream: EventStream[str] = EventStream([], max_queue=2, position=0)
+    stream.push(["a1", "a2"], 4)
+    assert [await stream.next(timeout=1) for _ in range(2)] == ["a1", "a2"]
+    stream.push(["b"], 5)
+    stream.push(["c", "d"], 6)
+    with pytest.raises(WatchOverflowError) as caught:
+        await stream.next(timeout=1)
+    assert caught.value.position == 4
+
+
+async def test_a_map_watch_overflow_in_the_middle_of_a_record_names_the_position_before_it() -> (
+    None
+):
+    state = MapState[str, int]()
+    feed = _Feed(state, lambda _event: True, [], 0, max_queue=3)
+    watch = MapWatch(feed, 0)
+
+    def record(position: int, keys: str) -> None:
+        state.events = [
+            MapEvent("put", key, index, MapVersion.of(position, index), position)
+            for index, key in enumerate(keys)
+        ]
+        feed.on_record(AppliedRecord(position, f"r{position}", None, []))  # type: ignore[arg-type]
+
+    record(4, "xyz")  # one record (a transact), three changes
+    first = await watch.next(timeout=1)
+    assert first is not None
+    assert first.key == "x"
+    record(5, "uv")  # y, z waiting: two more is four against three
+    with pytest.raises(WatchOverflowError) as caught:
+        await watch.next(timeout=1)
+    assert caught.value.position == 3  # before: 4, though y and z were dropped
+    watch.close()
