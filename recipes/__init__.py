@@ -19,6 +19,7 @@ from ._lease_table import (
     NotHeldError,
     StaleTokenError,
     UnknownResourceError,
+    WaitCancelledError,
 )
 from ._map_disk import DiskStore, LocalStoreError
 from ._map_ops import FrozenDict, FrozenList, MapEntry, MapEvent, MapVersion, thaw
@@ -63,6 +64,7 @@ __all__ = [
     "SyncOwnership",
     "SyncPulsarMap",
     "UnknownResourceError",
+    "WaitCancelledError",
     "WatchOverflowError",
     "claim",
     "fence_key",

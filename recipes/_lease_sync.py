@@ -78,6 +78,13 @@ class _SyncOneLease(SyncFacade[R]):
     def _local(self, fn: Callable[[], T]) -> T:
         return self._portal.call_sync(fn)
 
+    def cancel(self) -> None:
+        """Call off a ``campaign()`` or ``join()`` blocked in another thread: it withdraws its
+        request and raises :class:`~recipes.WaitCancelledError` (see the async ``cancel``).
+        Nothing once closed."""
+        with contextlib.suppress(ClosedError):  # a stopped portal has nothing in progress
+            self._local(self._recipe.cancel)
+
 
 class SyncLeaderElection(_SyncOneLease[LeaderElection]):
     """The blocking twin of :class:`~recipes.LeaderElection` (same arguments plus ``portal``)::

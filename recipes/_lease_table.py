@@ -42,6 +42,7 @@ __all__ = [
     "NotHeldError",
     "StaleTokenError",
     "UnknownResourceError",
+    "WaitCancelledError",
     "check_names",
     "check_ttl",
 ]
@@ -53,6 +54,11 @@ _OPS = frozenset({"acquire", "renew", "release", "tick"})
 
 class NotHeldError(PulsarStateError):
     """The lease is not held (never was, was released, or expired): nothing was written."""
+
+
+class WaitCancelledError(PulsarStateError):
+    """A ``campaign()`` or ``join()`` waiting in this process was called off by ``cancel()``
+    (kazoo's ``Election.cancel``): its request was withdrawn, nothing is held by it."""
 
 
 class StaleTokenError(PulsarStateError):

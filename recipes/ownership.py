@@ -72,6 +72,7 @@ from ._lease_table import (
     LeaseTableCodec,
     Mode,
     NotHeldError,
+    WaitCancelledError,
     check_names,
     check_ttl,
 )
@@ -994,20 +995,52 @@ class OneLeaseRecipe:
         # One campaign or join at a time: two would write two requests, and resign or leave
         # would release one while the other (granted next) kept this process in.
         self._taking = asyncio.Lock()
+        # The tasks in campaign() or join() (waiting for _taking or in it), for cancel(); and
+        # those cancel() cancelled, told apart from a cancellation of their own.
+        self._waiting_tasks: set[asyncio.Task[Any]] = set()
+        self._called_off: set[asyncio.Task[Any]] = set()
 
     @contextlib.asynccontextmanager
     async def _alone(self, deadline: float | None) -> AsyncIterator[None]:
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting_tasks.add(task)
         try:
-            async with asyncio.timeout_at(deadline):
-                await self._taking.acquire()
-        except TimeoutError as exc:
-            raise OperationTimeoutError(
-                f"{self.name}: another campaign or join of this process took the whole timeout"
-            ) from exc
-        try:
-            yield
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._taking.acquire()
+            except TimeoutError as exc:
+                raise OperationTimeoutError(
+                    f"{self.name}: another campaign or join of this process took the whole timeout"
+                ) from exc
+            try:
+                yield
+            finally:
+                self._taking.release()
+        except asyncio.CancelledError:
+            # Ownership.acquire withdrew the request on the way out (as on any cancellation).
+            if task in self._called_off and task.uncancel() == 0:
+                raise WaitCancelledError(
+                    f"{self.name}: called off by cancel(); the request was withdrawn"
+                ) from None
+            raise
         finally:
-            self._taking.release()
+            self._waiting_tasks.discard(task)
+            self._called_off.discard(task)
+
+    def cancel(self) -> None:
+        """Call off every ``campaign()`` or ``join()`` of this process still in progress (from
+        another task; the blocking twin's from any thread): each withdraws its request and
+        raises :class:`~recipes.WaitCancelledError` (a grant that came just before is given up
+        again). A term or membership already won is kept (``resign()``/``leave()`` give it
+        up); a call that starts after this one is not affected. Kazoo's ``Election.cancel()``.
+        """
+        if self._lease is not None:
+            return  # one already won: the call in progress only renews it, and returns it
+        for task in self._waiting_tasks - self._called_off:
+            if task is not asyncio.current_task():
+                self._called_off.add(task)
+                task.cancel()
 
     @property
     def name(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from fractions import Fraction
 from typing import Any
@@ -29,6 +30,7 @@ from recipes import (
     Ownership,
     SyncLeaderElection,
     SyncMembership,
+    WaitCancelledError,
 )
 from recipes._lease_table import LeaseEvent, LeaseTable, NotHeldError
 from tests.core.helpers import raw_producer
@@ -638,3 +640,99 @@ async def test_a_raising_close_callback_neither_stops_the_close_nor_other_stream
     with pytest.raises(ClosedError):
         await leaders.next(timeout=WAIT_S)
     assert "on_close callback raised" in caplog.text
+
+
+def _waiting_owners(table: LeaseTable) -> list[str]:
+    return [lease.owner for lease in table.waiting()]
+
+
+async def test_cancel_calls_off_a_waiting_campaign_and_withdraws_its_request(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    options = recipe_options(admin_url)
+    async with (
+        LeaderElection(service_url, topic, name="a", ttl=5, **options) as a,
+        LeaderElection(service_url, topic, name="b", ttl=5, **options) as b,
+    ):
+        a.cancel()  # nothing in progress: nothing happens
+        term = await a.campaign(timeout=WAIT_S)
+        b.cancel()
+        waiting = asyncio.create_task(b.campaign())
+        await until(
+            lambda: a.ownership.read_local(_waiting_owners) == ["b"], "b's request in the log"
+        )
+        a.cancel()  # a leads: its term is kept
+        b.cancel()  # before: no way to stop b's campaign short of closing the election
+        with pytest.raises(WaitCancelledError, match="called off"):
+            await asyncio.wait_for(waiting, WAIT_S)
+        await until(lambda: a.ownership.read_local(_waiting_owners) == [], "b's request withdrawn")
+        assert [lease.owner for lease in await b.ownership.leases(latest=True)] == ["a"]
+        assert a.is_leader()
+        # b is still a candidate to be: a campaign after the cancel is not affected.
+        again = asyncio.create_task(b.campaign(timeout=WAIT_S))
+        await asyncio.sleep(0.2)
+        await a.resign()
+        won = await asyncio.wait_for(again, WAIT_S)
+        assert won.name == "b"
+        assert won.token > term.token
+
+
+async def test_a_task_cancelled_by_its_own_caller_stays_cancelled(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    options = recipe_options(admin_url)
+    async with (
+        LeaderElection(service_url, topic, name="a", ttl=5, **options) as a,
+        LeaderElection(service_url, topic, name="b", ttl=5, **options) as b,
+    ):
+        await a.campaign(timeout=WAIT_S)
+        waiting = asyncio.create_task(b.campaign())
+        await until(
+            lambda: a.ownership.read_local(_waiting_owners) == ["b"], "b's request in the log"
+        )
+        waiting.cancel()  # the caller's own cancellation is not turned into an error
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await until(lambda: a.ownership.read_local(_waiting_owners) == [], "b's request withdrawn")
+
+
+async def test_the_blocking_cancel_calls_off_a_campaign_blocked_in_another_thread(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    options = recipe_options(admin_url)
+
+    def run() -> None:
+        with (
+            SyncLeaderElection(service_url, topic, name="a", ttl=5, **options) as a,
+            SyncLeaderElection(service_url, topic, name="b", ttl=5, **options) as b,
+        ):
+            a.campaign(timeout=WAIT_S)
+            outcome: list[BaseException | None] = []
+
+            def campaign() -> None:
+                try:
+                    b.campaign()  # no timeout: blocks until a resigns, or the cancel
+                    outcome.append(None)
+                except BaseException as exc:  # the thread reports whatever ended it
+                    outcome.append(exc)
+
+            blocked = threading.Thread(target=campaign)
+            blocked.start()
+            deadline = time.monotonic() + WAIT_S
+            while a.async_election.ownership.read_local(_waiting_owners) != ["b"]:
+                assert time.monotonic() < deadline, "b's request never showed"
+                time.sleep(0.01)
+            b.cancel()
+            blocked.join(WAIT_S)
+            assert not blocked.is_alive()
+            assert isinstance(outcome[0], WaitCancelledError)
+            assert a.is_leader()
+            deadline = time.monotonic() + WAIT_S
+            while a.async_election.ownership.read_local(_waiting_owners):
+                assert time.monotonic() < deadline, "b's request never withdrawn"
+                time.sleep(0.01)
+            a.resign()
+            assert b.campaign(timeout=WAIT_S).name == "b"  # still usable
+        b.cancel()  # closed: nothing to do, no error
+
+    await asyncio.to_thread(run)
