@@ -1035,8 +1035,11 @@ class OneLeaseRecipe:
         again). A term or membership already won is kept (``resign()``/``leave()`` give it
         up); a call that starts after this one is not affected. Kazoo's ``Election.cancel()``.
         """
-        if self._lease is not None:
-            return  # one already won: the call in progress only renews it, and returns it
+        # One held: the call in progress only renews it, and returns it. A lease that ended
+        # (a stall past its TTL) does not count: a request follows, waiting in line.
+        with contextlib.suppress(PulsarStateError):  # closed or halted: none is held
+            if self._lease is not None and self._ownership.is_held(self._lease):
+                return
         for task in self._waiting_tasks - self._called_off:
             if task is not asyncio.current_task():
                 self._called_off.add(task)

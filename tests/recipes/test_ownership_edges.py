@@ -677,6 +677,32 @@ async def test_cancel_calls_off_a_waiting_campaign_and_withdraws_its_request(
         assert won.token > term.token
 
 
+async def test_cancel_calls_off_the_campaign_of_a_leader_whose_term_ended(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    options = recipe_options(admin_url)
+    async with (
+        LeaderElection(service_url, topic, name="a", ttl=1, **options) as a,
+        LeaderElection(service_url, topic, name="b", ttl=5, **options) as b,
+    ):
+        await a.campaign(timeout=WAIT_S)
+        assert a.lease is not None
+        a.ownership._stop_keeping(a.lease.id)  # no renewals: as in a stall past the TTL
+        await until(lambda: not a.is_leader(), "a's term expired", seconds=WAIT_S)
+        await b.campaign(timeout=WAIT_S)
+        again = asyncio.create_task(a.campaign())  # the candidate lines up again
+        await until(
+            lambda: b.ownership.read_local(_waiting_owners) == ["a"], "a's request in the log"
+        )
+        # Before: nothing happened (a's ended term counted as one held), and the campaign
+        # waited on behind b.
+        a.cancel()
+        with pytest.raises(WaitCancelledError):
+            await asyncio.wait_for(again, WAIT_S)
+        await until(lambda: b.ownership.read_local(_waiting_owners) == [], "request withdrawn")
+        assert b.is_leader()
+
+
 async def test_a_task_cancelled_by_its_own_caller_stays_cancelled(
     service_url: str, admin_url: str, topic: str
 ) -> None:
