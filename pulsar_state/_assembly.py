@@ -239,6 +239,7 @@ class Assembly(Generic[S, Op]):
             relay=self.relay,
         )
         self._pending.on_submit = self.writer.queued
+        replica.on_halt.append(self.writer.on_halt)
         self._tasks = [
             asyncio.create_task(self.writer.run(), name=f"pulsar-state-writer-{topic}"),
             asyncio.create_task(

@@ -295,6 +295,18 @@ class Writer:
                 except Exception:
                     await self.release()
                     raise
+        # Closed (the close releases the writer itself, after the writes in flight are seen),
+        # or the replica halted: a halted holder must not keep the exclusive producer (every
+        # other process would wait for it until this manager closes).
+        if not self._context.closed:
+            await self.release()
+
+    def on_halt(self, error: PulsarStateError) -> None:
+        """The replica halted: drop what others relayed (their senders take the writer when
+        it is not seen) and wake the serve loop, which stops and releases the writer."""
+        del error  # (the hook's argument: the writes learn it from the pending queue)
+        self._foreign.clear()
+        self._pending.wake.set()
 
     def _remember_failure(self, state: RetryCallState) -> None:
         failed = state.outcome.exception() if state.outcome is not None else None
@@ -579,7 +591,7 @@ class Writer:
                 self._holder_released_at = time.monotonic()
                 self._pending.settled.set()  # a relay of ours waiting on it may give up now
             return
-        if self._producer is None:
+        if self._producer is None or self._replica.halt is not None:
             return
         if payload == TURN_REQUEST:
             self._turn_requested = True

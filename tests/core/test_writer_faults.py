@@ -271,3 +271,24 @@ async def test_a_write_queued_while_another_waits_for_the_writer_keeps_its_own_t
         await asyncio.wait_for(second, 30.0)
         assert await seen_by(waiter) == {"second": 1}
         assert await waiter.read(lambda s: s["count"], latest=True) == 2
+
+
+async def test_a_holder_whose_replica_halts_gives_the_writer_up(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A holds the topic's writer and would keep it idle for a minute; its replica halts (a
+    # durable store that cannot commit, an apply that is not deterministic). Before: its
+    # writer loop stopped at the halt without closing the exclusive producer (once a record
+    # relayed by B woke it), so B's writes failed until A was closed (measured: a relayed
+    # one WriteOutcomeUnknownError at its 20 s deadline).
+    async with (
+        counter_manager(service_url, topic, admin_url, idle_release_s=60.0) as a,
+        counter_manager(service_url, topic, admin_url) as b,
+    ):
+        await a.write(lambda s: [incr("a")])
+        await b.sync()
+        a._replica.halt_with(PulsarStateError("injected: the replica stopped"))
+        result = await b.write(lambda s: [incr("b")], timeout=20.0)
+        assert result.position == 2
+        assert await b.read(lambda s: s["count"], latest=True) == 2
+        assert a.halted is not None
