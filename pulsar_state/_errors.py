@@ -24,7 +24,10 @@
     └── ClosedError                       the manager is closed
 
 A generator passed to ``write`` that raises makes that write fail with the generator's own
-exception, unchanged: it is the caller's error, not the library's.
+exception, unchanged: it is the caller's error, not the library's. (A BaseException that is
+not an Exception, such as the CancelledError of a cancelled future's ``result()``, comes
+wrapped in a PulsarStateError, so that it ends that write only; KeyboardInterrupt and
+SystemExit propagate.)
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "UnsafeTopicPolicyError",
     "WriteOutcomeUnknownError",
     "WriterBusyError",
+    "callback_error",
 ]
 
 
@@ -189,3 +193,19 @@ class ReplicaHaltedError(PulsarStateError):
 
 class ClosedError(PulsarStateError):
     """The manager (or map) is closed."""
+
+
+def callback_error(exc: BaseException, what: str) -> Exception:
+    """The error a write ends with when the caller's ``what`` (its generator, its reader)
+    raised ``exc``: ``exc`` itself when it is an Exception. Any other BaseException (the
+    CancelledError of a cancelled future's ``result()``, a GeneratorExit) is wrapped in a
+    PulsarStateError, so that it ends that write only and not the task that ran the code
+    (the writer's loop, the replica's pump, which would stop unseen). KeyboardInterrupt and
+    SystemExit are raised again: the process is stopping."""
+    if isinstance(exc, Exception):
+        return exc
+    if isinstance(exc, KeyboardInterrupt | SystemExit):
+        raise exc
+    error = PulsarStateError(f"{what} raised {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error

@@ -16,7 +16,7 @@ from typing import Any, Final, Generic, TypeVar, cast
 
 from ._codecs import Codec
 from ._envelope import Record
-from ._errors import ApplyError, CodecError, CorruptRecordError
+from ._errors import ApplyError, CodecError, CorruptRecordError, callback_error
 from ._overlay import DictOverlay
 from ._pulsar import LogPosition
 
@@ -189,9 +189,9 @@ class StateMachine(Generic[S, Op]):
         for op in ops:
             try:
                 new_state = self._apply(state, op)
-            except Exception as exc:
-                if not trial:
-                    raise
+            except BaseException as exc:
+                if not trial or isinstance(exc, KeyboardInterrupt | SystemExit):
+                    raise  # (on a replica: it halts, see Replica.on_message)
                 raise ApplyError(f"apply raised on op {op!r}: {type(exc).__name__}: {exc}") from exc
             if new_state is not None:
                 state = new_state
@@ -224,8 +224,8 @@ class StateMachine(Generic[S, Op]):
             return [self._codec.encode(op) for op in ops]
         except CodecError:
             raise
-        except Exception as exc:
-            raise CodecError(f"cannot encode op: {exc}") from exc
+        except BaseException as exc:
+            raise CodecError(f"cannot encode op: {callback_error(exc, 'the codec')}") from exc
 
     def decode(self, record: Record, at: LogPosition) -> list[list[Op]]:
         """The ops of each write of ``record``, read at ``at``; :class:`CorruptRecordError`

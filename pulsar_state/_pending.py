@@ -27,6 +27,7 @@ from ._errors import (
     OperationTimeoutError,
     PulsarStateError,
     WriteOutcomeUnknownError,
+    callback_error,
 )
 from ._records import OutgoingRecord
 from ._telemetry import observe_write
@@ -85,8 +86,8 @@ class RecordClaim:
         if pending.reader is not None:
             try:
                 value = pending.reader(state)
-            except Exception as exc:  # the caller's reader: its error, its write
-                error = exc
+            except BaseException as exc:  # the caller's reader: its error, its write
+                error = callback_error(exc, "the write's reader")
         self._results.append((pending, value, error))
 
     def fail(self, cause: BaseException) -> None:
@@ -226,8 +227,8 @@ class PendingWrites:
             self._stats.writes_committed += 1
             try:
                 value = pending.reader(state) if pending.reader is not None else None
-            except Exception as exc:  # the caller's reader: its error, its write
-                pending.future.set_exception(exc)
+            except BaseException as exc:  # the caller's reader: its error, its write
+                pending.future.set_exception(callback_error(exc, "the write's reader"))
                 continue
             pending.future.set_result(WriteResult(value, position))
 

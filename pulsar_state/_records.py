@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from ._envelope import Record, Write, encode_record, record_overhead, write_size
-from ._errors import ApplyError, CodecError, ConfigurationError, RecordTooLargeError
+from ._errors import (
+    ApplyError,
+    CodecError,
+    ConfigurationError,
+    RecordTooLargeError,
+    callback_error,
+)
 from ._machine import MutatedInPlaceError, StateMachine
 
 __all__ = ["Adoption", "Batch", "OutgoingRecord", "RecordBuilder", "RecordLimits", "WriteRequest"]
@@ -155,8 +161,8 @@ class RecordBuilder(Generic[S, Op]):
         for index, request in enumerate(batch):
             try:
                 ops = list(request.generator(trial))
-            except Exception as exc:  # the caller's generator: its exception, unchanged
-                if refuse(index, exc):
+            except BaseException as exc:  # the caller's generator: its exception, unchanged
+                if refuse(index, callback_error(exc, "the write's generator")):
                     break
                 continue
             if not ops and not (group or applied):
@@ -197,8 +203,8 @@ class RecordBuilder(Generic[S, Op]):
                     deferred=result.deferred,
                     halt=(request, ConfigurationError(str(exc))),
                 )
-            except Exception as exc:
-                failure: BaseException = exc
+            except BaseException as exc:
+                failure: BaseException = callback_error(exc, "begin_record")
                 if not isinstance(exc, ApplyError):  # begin_record raised
                     failure = ApplyError(f"begin_record raised: {type(exc).__name__}: {exc}")
                     failure.__cause__ = exc

@@ -431,9 +431,10 @@ class Replica(Generic[S, Op]):
         self._stats.bytes_read += len(message.payload)
         try:
             self._handle(message, record, adoption)
-        except Exception as exc:
+        except BaseException as exc:
             # User code (a codec, a hook) or a bug raised: the state may hold part of this
-            # message, so stop here, loudly, rather than let the pump die unseen.
+            # message, so stop here, loudly, rather than let the pump die unseen (or, for a
+            # BaseException, handle the message again: applied twice).
             self.halt_with(
                 PulsarStateError(
                     f"handling message {message.position} of {self._topic} raised "
@@ -441,6 +442,8 @@ class Replica(Generic[S, Op]):
                 ),
                 cause=exc,
             )
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
 
     def _handle(
         self, message: RawMessage, record: Record | None, adoption: Adoption | None = None

@@ -429,3 +429,43 @@ async def test_a_write_whose_reader_raises_stands(
             await manager.write(lambda s: [incr("x")], reader=lambda s: 1 / 0)
         async with counter_manager(service_url, topic, admin_url) as other:
             assert await seen_by(other) == {"x": 1}
+
+
+def _cancelled_result(_state: Any) -> Any:
+    """A callback that raises CancelledError, a BaseException: the result() of a future
+    that was cancelled (say, a generator consulting a cache of futures)."""
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    future.cancel()
+    return future.result()
+
+
+async def test_a_generator_raising_a_base_exception_fails_only_its_write(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Before: the CancelledError escaped the writer (its loop ended, still holding the
+    # exclusive producer, or the batch built at the end of a loop turn was dropped): that
+    # write and the ones after it ended at their deadline, "nothing was appended".
+    async with counter_manager(service_url, topic, admin_url, write_timeout_s=10.0) as manager:
+        for _ in range(2):  # the writer's loop takes the writer; then it idles holding it
+            with pytest.raises(PulsarStateError, match="generator raised CancelledError"):
+                await manager.write(_cancelled_result)
+            await manager.write(lambda s: [incr()])
+        assert manager.halted is None
+        assert await manager.read(lambda s: s["count"], latest=True) == 2
+    assert await topic_message_count(service_url, topic) == 2
+
+
+async def test_a_reader_raising_a_base_exception_fails_its_write_which_stands_once(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # Before: the CancelledError escaped the replica while it applied the record (the state
+    # changed, its position not), so the record was handled again: applied twice here,
+    # once everywhere else, and the write's caller waited for its deadline.
+    async with counter_manager(service_url, topic, admin_url, write_timeout_s=10.0) as manager:
+        with pytest.raises(PulsarStateError, match="reader raised CancelledError"):
+            await manager.write(lambda s: [incr("x")], reader=_cancelled_result)
+        await manager.write(lambda s: [incr("y")])
+        assert manager.halted is None
+        assert await seen_by(manager) == {"x": 1, "y": 1}
+        async with counter_manager(service_url, topic, admin_url) as other:
+            assert await seen_by(other) == {"x": 1, "y": 1}

@@ -3,6 +3,7 @@ forked history), pure: records handed to a Replica, no broker."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import random
 from typing import Any
@@ -332,3 +333,30 @@ def test_a_replica_resumed_at_any_accept_ends_as_one_that_read_everything(seed: 
     for state, mark in resumed_from:
         resumed, _owner = resume(state, mark, log)
         assert outcome(resumed) == outcome(whole), (mark, log)
+
+
+def test_an_apply_raising_a_base_exception_halts_the_replica_never_applies_twice() -> None:
+    # A CancelledError (a BaseException, not an Exception) from apply on a live replica: the
+    # state may hold part of the record. Before: it escaped, the replica's position stayed,
+    # and the same message handled again was applied a second time.
+    calls: list[str] = []
+
+    def cancelling_put(state: dict[str, Any], op: dict[str, Any]) -> None:
+        calls.append(op["k"])
+        state[op["k"]] = op["v"]
+        if op["k"] == "boom":
+            raise asyncio.CancelledError("a cancelled future's result(), in apply")
+
+    machine: StateMachine[dict[str, Any], Any] = StateMachine(
+        cancelling_put, JsonCodec(), copy_state=copy.deepcopy, begin_record=None
+    )
+    context = Context(TopicName.parse("rules"), "reader", SETTINGS, ManagerStats())
+    target = Replica({}, machine, context, on_corrupt="halt", owner=Owner())
+    boom = record("W", 1, 0, "", "boom")
+    message = RawMessage(encode_record(boom), LogPosition(1, 0))
+    target.on_message(message)
+    target.on_message(message)  # the pump's next delivery of the same message
+    assert target.halt is not None
+    assert "CancelledError" in str(target.halt)
+    assert calls == ["boom"]
+    assert target.version == 0
