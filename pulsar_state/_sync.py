@@ -122,7 +122,7 @@ class BlockingPortal:
             )
         if self._stopped:
             raise ClosedError("the portal is stopped")
-        if threading.current_thread() is self._thread:
+        if self.on_loop_thread():
             raise RuntimeError("blocking call from the portal's own thread would deadlock")
 
         # Not run_coroutine_threadsafe: an interrupt after it scheduled the call but before
@@ -157,6 +157,11 @@ class BlockingPortal:
             if cancel_on_interrupt:
                 future.cancel()
             raise
+
+    def on_loop_thread(self) -> bool:
+        """Whether the calling thread is the portal's own (a callback on its loop), where a
+        blocking call would deadlock: call the async side's plain methods directly there."""
+        return threading.current_thread() is self._thread
 
     def call_sync(
         self, fn: Callable[..., T], *args: Any, timeout: float | None = _LOCAL_TIMEOUT_S

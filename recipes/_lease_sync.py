@@ -82,6 +82,9 @@ class _SyncOneLease(SyncFacade[R]):
         """Call off a ``campaign()`` or ``join()`` blocked in another thread: it withdraws its
         request and raises :class:`~recipes.WaitCancelledError` (see the async ``cancel``).
         Nothing once closed."""
+        if self._portal.on_loop_thread():  # (a callback on the portal's loop)
+            self._recipe.cancel()
+            return
         with contextlib.suppress(ClosedError):  # a stopped portal has nothing in progress
             self._local(self._recipe.cancel)
 

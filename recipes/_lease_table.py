@@ -58,7 +58,8 @@ class NotHeldError(PulsarStateError):
 
 class WaitCancelledError(PulsarStateError):
     """A ``campaign()`` or ``join()`` waiting in this process was called off by ``cancel()``
-    (kazoo's ``Election.cancel``): its request was withdrawn, nothing is held by it."""
+    (kazoo's ``Election.cancel``): its request was withdrawn (or, if that write failed, is
+    withdrawn whenever it shows up), and nothing is held by it."""
 
 
 class StaleTokenError(PulsarStateError):

@@ -43,7 +43,9 @@ class WatchOverflowError(PulsarStateError):
     The events it had queued are dropped. ``position`` is the log position up to which the
     consumer received every change (the snapshot's position if none; the one before a record
     whose changes it received only some of): open a new watch to resynchronise from a fresh
-    snapshot.
+    snapshot. (Raised with ``max_queue=0`` when the replica fell forward over a trimmed
+    history: the queued changes are delivered first, and ``position`` is the snapshot's it
+    fell forward to; the changes between are not known.)
     """
 
     retriable = True

@@ -995,10 +995,13 @@ class OneLeaseRecipe:
         # One campaign or join at a time: two would write two requests, and resign or leave
         # would release one while the other (granted next) kept this process in.
         self._taking = asyncio.Lock()
-        # The tasks in campaign() or join() (waiting for _taking or in it), for cancel(); and
-        # those cancel() cancelled, told apart from a cancellation of their own.
+        # For cancel(): the tasks in campaign() or join(), those of them renewing the lease
+        # they hold (not waiting: not called off), and those called off (True: cancelled,
+        # told apart from a cancellation of their own; False: to stop once their renewal
+        # finds the lease ended).
         self._waiting_tasks: set[asyncio.Task[Any]] = set()
-        self._called_off: set[asyncio.Task[Any]] = set()
+        self._renewing: set[asyncio.Task[Any]] = set()
+        self._called_off: dict[asyncio.Task[Any], bool] = {}
 
     @contextlib.asynccontextmanager
     async def _alone(self, deadline: float | None) -> AsyncIterator[None]:
@@ -1017,32 +1020,48 @@ class OneLeaseRecipe:
                 yield
             finally:
                 self._taking.release()
-        except asyncio.CancelledError:
+        except BaseException as exc:
             # Ownership.acquire withdrew the request on the way out (as on any cancellation).
-            if task in self._called_off and task.uncancel() == 0:
-                raise WaitCancelledError(
-                    f"{self.name}: called off by cancel(); the request was withdrawn"
-                ) from None
+            # A cancel() that came while the call was failing anyway may have been swallowed
+            # there (the withdraw is shielded): its count is taken back all the same.
+            if self._called_off.get(task):
+                others = task.uncancel()  # cancellations of the caller's own, still due
+                if others == 0 and isinstance(exc, asyncio.CancelledError):
+                    raise self._called_off_error() from None
             raise
+        else:
+            if self._called_off.get(task):
+                task.uncancel()  # won before the cancellation reached it: it leads
         finally:
             self._waiting_tasks.discard(task)
-            self._called_off.discard(task)
+            self._called_off.pop(task, None)
+
+    def _called_off_error(self) -> WaitCancelledError:
+        return WaitCancelledError(f"{self.name}: called off by cancel(); the request was withdrawn")
+
+    def _stop_if_called_off(self) -> None:
+        """Raise WaitCancelledError if cancel() came while this task was renewing a lease
+        that turned out to have ended (no request written yet: nothing to withdraw)."""
+        task = asyncio.current_task()
+        if task in self._called_off and not self._called_off[task]:
+            raise self._called_off_error()
 
     def cancel(self) -> None:
-        """Call off every ``campaign()`` or ``join()`` of this process still in progress (from
-        another task; the blocking twin's from any thread): each withdraws its request and
-        raises :class:`~recipes.WaitCancelledError` (a grant that came just before is given up
-        again). A term or membership already won is kept (``resign()``/``leave()`` give it
-        up); a call that starts after this one is not affected. Kazoo's ``Election.cancel()``.
+        """Call off every ``campaign()`` or ``join()`` of this recipe still waiting (from
+        another task; the blocking twin's from any thread): each withdraws its request (or,
+        should that fail, leaves it to be withdrawn whenever it shows up, as a timed-out
+        ``acquire`` does) and raises :class:`~recipes.WaitCancelledError`; a grant that came
+        just before is given up again. A term or membership held is kept (``resign()`` or
+        ``leave()`` give it up; a call renewing it returns it); a call that starts after
+        this one is not affected. Kazoo's ``Election.cancel()``.
         """
-        # One held: the call in progress only renews it, and returns it. A lease that ended
-        # (a stall past its TTL) does not count: a request follows, waiting in line.
-        with contextlib.suppress(PulsarStateError):  # closed or halted: none is held
-            if self._lease is not None and self._ownership.is_held(self._lease):
-                return
-        for task in self._waiting_tasks - self._called_off:
-            if task is not asyncio.current_task():
-                self._called_off.add(task)
+        current = asyncio.current_task()
+        for task in self._waiting_tasks:
+            if task is current or task in self._called_off:
+                continue
+            waiting = task not in self._renewing
+            self._called_off[task] = waiting
+            if waiting:
                 task.cancel()
 
     @property
@@ -1067,12 +1086,19 @@ class OneLeaseRecipe:
             return lease
         loop = asyncio.get_running_loop()
         left = None if deadline is None else max(0.0, deadline - loop.time())
+        task = asyncio.current_task()
+        assert task is not None
+        self._renewing.add(task)
         try:
             renewed = await self._ownership.renew(lease, keep_alive=True, timeout=left)
         except NotHeldError:  # it expired meanwhile
+            self._stop_if_called_off()  # (a request would follow: called off before it)
             return None
+        finally:
+            self._renewing.discard(task)
         self._ownership._check_usable()  # closing meanwhile: ClosedError, as for a request
         if self._lease is not lease:  # resigned or left meanwhile
+            self._stop_if_called_off()
             return None
         self._lease = renewed
         return renewed

@@ -762,3 +762,79 @@ async def test_the_blocking_cancel_calls_off_a_campaign_blocked_in_another_threa
         b.cancel()  # closed: nothing to do, no error
 
     await asyncio.to_thread(run)
+
+
+async def test_a_cancel_while_a_failing_campaign_withdraws_leaves_no_cancellation_due(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = recipe_options(admin_url)
+    async with (
+        LeaderElection(service_url, topic, name="a", ttl=5, **options) as a,
+        LeaderElection(service_url, topic, name="b", ttl=5, **options) as b,
+    ):
+        await a.campaign(timeout=WAIT_S)
+        withdraw = Ownership._withdraw
+
+        async def cancelled_while_withdrawing(self: Ownership, *args: Any, **kw: Any) -> bool:
+            # The campaign is failing (its timeout) and withdraws: a cancel() comes now.
+            asyncio.get_running_loop().call_soon(b.cancel)
+            return await withdraw(self, *args, **kw)
+
+        monkeypatch.setattr(Ownership, "_withdraw", cancelled_while_withdrawing)
+
+        async def campaign() -> int:
+            with pytest.raises(OperationTimeoutError):  # its own failure, as it came
+                await b.campaign(timeout=0.5)
+            task = asyncio.current_task()
+            assert task is not None
+            # Before: 1 for good (the withdraw swallows the cancellation): a timeout the
+            # caller entered then raised CancelledError, and its next cancel() a bare one.
+            return task.cancelling()
+
+        assert await asyncio.wait_for(asyncio.create_task(campaign()), WAIT_S) == 0
+        monkeypatch.undo()
+        # (The shielded withdraw went on after the cancel: the request goes.)
+        await until(lambda: a.ownership.read_local(_waiting_owners) == [], "request withdrawn")
+        # The recipe still campaigns and is called off as documented.
+        again = asyncio.create_task(b.campaign())
+        await until(lambda: a.ownership.read_local(_waiting_owners) == ["b"], "b's request")
+        b.cancel()
+        with pytest.raises(WaitCancelledError):
+            await asyncio.wait_for(again, WAIT_S)
+
+
+async def test_the_blocking_cancel_works_from_the_portals_own_thread(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    options = recipe_options(admin_url)
+
+    def run() -> None:
+        with (
+            SyncLeaderElection(service_url, topic, name="a", ttl=5, **options) as a,
+            SyncLeaderElection(
+                service_url, topic, name="b", ttl=5, portal=a.portal, **options
+            ) as b,
+        ):
+            a.campaign(timeout=WAIT_S)
+            outcome: list[BaseException | None] = []
+
+            def campaign() -> None:
+                try:
+                    b.campaign()
+                    outcome.append(None)
+                except BaseException as exc:  # the thread reports whatever ended it
+                    outcome.append(exc)
+
+            blocked = threading.Thread(target=campaign)
+            blocked.start()
+            deadline = time.monotonic() + WAIT_S
+            while a.async_election.ownership.read_local(_waiting_owners) != ["b"]:
+                assert time.monotonic() < deadline, "b's request never showed"
+                time.sleep(0.01)
+            # From a callback on the portal's loop (a subscriber, say). Before: RuntimeError
+            # ("blocking call from the portal's own thread would deadlock"), nothing called off.
+            a.portal.call_sync(b.cancel)
+            blocked.join(WAIT_S)
+            assert isinstance(outcome[0], WaitCancelledError)
+
+    await asyncio.to_thread(run)
