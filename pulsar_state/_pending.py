@@ -409,10 +409,22 @@ class PendingWrites:
         records: list[OutgoingRecord[PendingWrite]],
         error: Callable[[OutgoingRecord[PendingWrite]], BaseException],
     ) -> None:
-        """The records certainly were not persisted: fail their writes with ``error``."""
+        """The records certainly were not persisted: fail their writes with ``error``, or
+        WriteOutcomeUnknownError for one whose earlier attempt was sent and may still land."""
         for outgoing, pending in self._never_landing(records):
-            if not pending.future.done():
-                pending.future.set_exception(error(outgoing))
+            if pending.future.done():
+                continue
+            failure = error(outgoing)
+            if pending.outstanding:
+                wid = write_id(self._writer_id, pending.write_seq)
+                unknown = WriteOutcomeUnknownError(
+                    f"write {wid}: this attempt was refused ({failure}), but an earlier one "
+                    "was sent and may still be applied; it was applied once or not at all",
+                    write_id=wid,
+                )
+                unknown.__cause__ = failure
+                failure = unknown
+            pending.future.set_exception(failure)
 
     def withdraw(self, records: list[OutgoingRecord[PendingWrite]]) -> None:
         """The records were never handed to the client, so none can land: out of flight,

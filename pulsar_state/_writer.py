@@ -92,9 +92,11 @@ _RELAY_TRIES = 3
 _UNASKED_TURN_FACTOR = 20
 # How many ids of stale relayed records the holder remembers (see _append_foreign).
 _STALE_REMEMBERED = 1024
-# Records relayed by others, waiting for the holder to append them: more are dropped (their
-# senders take the writer after _RELAY_PATIENCE_S).
+# Records relayed by others, waiting for the holder to append them: more (in number or in
+# bytes) are dropped, as is one larger than this holder's max_record_bytes (their senders take
+# the writer after _RELAY_PATIENCE_S).
 _MAX_FOREIGN = 1000
+_MAX_FOREIGN_BYTES = 64 << 20
 
 
 class _NotSent(PulsarStateError):
@@ -250,6 +252,7 @@ class Writer:
         self._relay = relay
         # Records other processes relayed, received while this one holds the producer.
         self._foreign: deque[bytes] = deque()
+        self._foreign_bytes = 0
         # Records this process relayed that were not seen in time: the writer is taken, the
         # log caught up with, then their writes are retried unless seen by then.
         self._relayed: list[OutgoingRecord[PendingWrite]] = []
@@ -305,8 +308,12 @@ class Writer:
         """The replica halted: drop what others relayed (their senders take the writer when
         it is not seen) and wake the serve loop, which stops and releases the writer."""
         del error  # (the hook's argument: the writes learn it from the pending queue)
-        self._foreign.clear()
+        self._drop_foreign()
         self._pending.wake.set()
+
+    def _drop_foreign(self) -> None:
+        self._foreign.clear()
+        self._foreign_bytes = 0
 
     def _remember_failure(self, state: RetryCallState) -> None:
         failed = state.outcome.exception() if state.outcome is not None else None
@@ -339,7 +346,7 @@ class Writer:
                 continue
             self._prune_relayed()
             if self._foreign and self._producer is None:
-                self._foreign.clear()  # released since they came: their senders retry
+                self._drop_foreign()  # released since they came: their senders retry
             pending.drop_finished_head()  # (writes the watchdog failed are no reason to turn)
             now = loop.time()
             held_for = now - self._producer_since
@@ -597,9 +604,15 @@ class Writer:
             self._turn_requested = True
             self._pending.wake.set()  # an idle holder bounds its wait by max_hold_s
             return
-        if len(self._foreign) >= _MAX_FOREIGN:
+        size = len(payload)
+        if (
+            len(self._foreign) >= _MAX_FOREIGN
+            or self._foreign_bytes + size > _MAX_FOREIGN_BYTES
+            or size > self._settings.max_record_bytes  # the client would refuse it
+        ):
             return
         self._foreign.append(payload)
+        self._foreign_bytes += size
         self._pending.wake.set()
 
     def _turn_due(self, now: float) -> bool:
@@ -800,6 +813,7 @@ class Writer:
         version, last_id = replica.version, replica.last_record_id
         while self._foreign:
             payload = self._foreign.popleft()
+            self._foreign_bytes -= len(payload)
             try:
                 record = decode_record(payload, message_id=f"relayed on {self._topic}")
                 if record.base_position == version and record.base_record_id == last_id:
@@ -967,12 +981,19 @@ class Writer:
         that state is the log's latest); deferred ones are queued again."""
         pending, replica = self._pending, self._replica
         batch = pending.take(self._batch_size())
-        built = self._builder.build(
-            [p for p in batch if not p.future.done()],
-            replica.state,
-            replica.version,
-            replica.last_record_id,
-        )
+        try:
+            built = self._builder.build(
+                [p for p in batch if not p.future.done()],
+                replica.state,
+                replica.version,
+                replica.last_record_id,
+            )
+        except BaseException:
+            # Not one write's failure (copy_state raised, say): the writes taken are queued
+            # again, and the serve loop's retry logs this and pauses; their deadlines bound it
+            # (a timeout then names this error). Dropped here, they waited out their deadline.
+            pending.requeue(batch, retry_count=False)
+            raise
         unchanged = []
         for refused, error in built.refused:
             if self._lingering(refused):

@@ -469,3 +469,27 @@ async def test_a_reader_raising_a_base_exception_fails_its_write_which_stands_on
         assert await seen_by(manager) == {"x": 1, "y": 1}
         async with counter_manager(service_url, topic, admin_url) as other:
             assert await seen_by(other) == {"x": 1, "y": 1}
+
+
+async def test_a_write_whose_batch_could_not_be_built_once_is_retried(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # copy_state (the trial copy of a batch) raised once: not any write's own failure.
+    # Before: the writes taken for that batch were dropped and ended at their deadline,
+    # "nothing was appended"; they are built again, and land.
+    armed = {"fail": 0}
+
+    def flaky_copy(state: Any) -> Any:
+        if armed["fail"]:
+            armed["fail"] -= 1
+            raise MemoryError("injected: no memory for the trial copy, this once")
+        return {"count": state["count"], "seen": dict(state["seen"])}
+
+    async with counter_manager(
+        service_url, topic, admin_url, copy_state=flaky_copy, write_timeout_s=10.0
+    ) as manager:
+        await manager.write(lambda s: [incr()])  # the writer is taken, then it idles
+        for _ in range(2):  # built at the end of a loop turn, then by the serve loop
+            armed["fail"] = 1
+            await manager.write(lambda s: [incr()], timeout=10.0)
+        assert await manager.read(lambda s: s["count"], latest=True) == 3

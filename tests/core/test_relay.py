@@ -744,3 +744,31 @@ async def test_a_refusal_decided_on_a_state_behind_the_log_is_decided_again(
         gate.set()
         await asyncio.wait_for(write, 30)
         assert (await seen_by(sender))["after-made"] == 1
+
+
+async def test_a_holder_holds_no_relayed_record_it_could_not_send_nor_too_many_bytes(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: only the number of records relayed and not yet appended was bounded (1,000,
+    # each up to the broker's 5 MB), and one larger than the holder could send was kept,
+    # sent, refused, and cost the holder its writer.
+    monkeypatch.setattr("pulsar_state._writer._MAX_FOREIGN_BYTES", 3000, raising=False)
+    async with counter_manager(
+        service_url, topic, admin_url, idle_release_s=30.0, max_record_bytes=2048
+    ) as holder:
+        await holder.write(lambda state: [incr("holder")])
+        writer = holder._parts.writer
+        assert writer is not None
+        assert writer._producer is not None
+        writer.accept_foreign(b"R" * 2049)  # more than this holder's max_record_bytes
+        assert len(writer._foreign) == 0
+        writer.accept_foreign(b"R" * 2000)
+        writer.accept_foreign(b"R" * 1500)  # 3,500 bytes waiting would be more than 3,000
+        assert [len(payload) for payload in writer._foreign] == [2000]
+        # (Not records: the holder drops it when it comes to append it, and goes on.)
+        await until(lambda: not writer._foreign, "the relayed bytes handled")
+        writer.accept_foreign(b"R" * 1500)  # room again
+        assert [len(payload) for payload in writer._foreign] == [1500]
+        await holder.write(lambda state: [incr("after")])
+        assert await seen_by(holder) == {"holder": 1, "after": 1}
+        assert writer._producer is not None

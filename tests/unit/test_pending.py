@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pulsar_state import WriteOutcomeUnknownError
+from pulsar_state import RecordTooLargeError, WriteOutcomeUnknownError
 from pulsar_state._admin import TopicName
 from pulsar_state._context import Context
 from pulsar_state._envelope import Record, Write
@@ -48,3 +48,28 @@ async def test_a_fall_forward_ends_the_writes_of_records_it_may_have_skipped() -
     assert not read_next.writes[0].future.done()
     assert pending.settled.is_set()
     assert pending.records_in_flight == 1
+
+
+async def test_a_refused_retry_of_a_write_whose_earlier_attempt_may_land_is_unknown() -> None:
+    # The first attempt was sent (relayed, say) and not seen in time; the retry's record is
+    # refused by the client (too large). Before: the write failed with that refusal, "not
+    # appended", though the first attempt could still be appended and apply it.
+    pending = PendingWrites(Context(TopicName.parse("t"), "P", SETTINGS, ManagerStats()))
+    first = launched(pending, 4)
+    pending.requeue_unseen([first])
+    (write,) = pending.take(1)
+    record = Record("P", 9, 4, "R/4", [Write(write.write_seq, [b"op"])])
+    retry = OutgoingRecord(record, b"", [write])
+    pending.launch([retry])
+    pending.refuse([retry], lambda _outgoing: RecordTooLargeError("too large", size=9, limit=1))
+    with pytest.raises(WriteOutcomeUnknownError, match="earlier one was sent") as caught:
+        await write.future
+    assert isinstance(caught.value.__cause__, RecordTooLargeError)
+
+
+async def test_a_refused_write_with_no_earlier_attempt_gets_the_refusal() -> None:
+    pending = PendingWrites(Context(TopicName.parse("t"), "P", SETTINGS, ManagerStats()))
+    only = launched(pending, 4)
+    pending.refuse([only], lambda _outgoing: RecordTooLargeError("too large", size=9, limit=1))
+    with pytest.raises(RecordTooLargeError):
+        await only.writes[0].future
