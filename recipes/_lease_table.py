@@ -27,9 +27,10 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import sys
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeGuard, cast
 
 from pulsar_state import CodecError, ConfigurationError, DictOverlay, PulsarStateError
 
@@ -335,8 +336,10 @@ class LeaseTable:
             lease = self.leases[lease_id]
             if self._grantable(lease, wanted_write, wanted_read):
                 self.last_token += 1
+                # (Bounded: the clock has moved on since the request's TTL was checked.)
+                expires_at = min(self.clock + lease.ttl, _LATEST)
                 granted = lease._with(
-                    token=self.last_token, position=self.position, expires_at=self.clock + lease.ttl
+                    token=self.last_token, position=self.position, expires_at=expires_at
                 )
                 self.leases[lease.id] = granted
                 del self._waiting[lease.id]
@@ -406,7 +409,7 @@ def _parse(op: Any, clock: float) -> tuple[str, float]:
     if not isinstance(op, dict) or op.get("op") not in _OPS:
         raise ValueError(f"not a lease-table op: {op!r}")
     now = op.get("now")
-    if isinstance(now, bool) or not isinstance(now, int | float) or not math.isfinite(now):
+    if not _is_number(now):
         raise ValueError(f"lease-table op without a valid 'now': {op!r}")
     kind = cast(str, op["op"])
     if kind != "tick" and not _is_name(op.get("id")):
@@ -422,7 +425,7 @@ def _parse(op: Any, clock: float) -> tuple[str, float]:
             raise ValueError(f"lease-table op with a name twice in 'names': {op!r}")
         if op.get("mode") not in ("read", "write"):
             raise ValueError(f"lease-table op without a valid 'mode': {op!r}")
-    if kind in ("acquire", "renew") and not math.isfinite(max(clock, now) + _ttl_of(op)):
+    if kind in ("acquire", "renew") and not _is_number(max(clock, now) + _ttl_of(op)):
         raise ValueError(f"lease-table op whose lease would never expire: {op!r}")
     return kind, float(now)
 
@@ -431,14 +434,27 @@ def _is_name(value: Any) -> bool:
     return isinstance(value, str) and bool(value)
 
 
+def _is_number(value: Any) -> TypeGuard[float]:
+    """A finite int or float (not a bool; not an int too large for a float, which
+    ``math.isfinite`` would raise OverflowError on)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _ttl_of(op: dict[str, Any]) -> float:
     # What a record may carry: any finite TTL > 0. Never narrowed (a replica of a later
     # version must decide a log written before as the replicas that wrote it did); the API
     # refuses more (check_ttl).
     ttl = op.get("ttl")
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-        raise ValueError(f"lease-table op without a valid 'ttl': {op!r}")
-    if not math.isfinite(ttl) or ttl <= 0:
+    if not _is_number(ttl) or ttl <= 0:
         raise ValueError(f"lease-table op without a valid 'ttl': {op!r}")
     return float(ttl)
 
@@ -447,6 +463,9 @@ def _ttl_of(op: dict[str, Any]) -> float:
 # (Unix-time clocks resolve about 0.2 us, and renewals come every ttl / 3); above ten years
 # it outlives any holder, and its expiry could overflow once the log clock has moved on.
 MIN_TTL_S = 0.001
+# The latest expiry a grant gives (a request's TTL is checked against the clock when it is
+# made; the clock may have moved on by its grant).
+_LATEST = sys.float_info.max
 MAX_TTL_S = 10 * 365 * 86400.0
 
 
@@ -533,9 +552,15 @@ class LeaseTableCodec:
             held = sorted((name, x.id) for x in leases.values() if x.held for name in x.names)
             if sorted((name, i) for name, ids in holders.items() for i in ids) != held:
                 raise ValueError("the holders are not the held leases' names")
+            clock, last_token = document["clock"], document["last_token"]
+            if not _is_number(clock) or not _is_count(last_token):
+                raise ValueError(f"clock {clock!r}, last_token {last_token!r}")
+            # A token above the counter: the next grant would repeat or undercut it.
+            if any(x.token > last_token for x in leases.values()):
+                raise ValueError(f"a lease's token is above last_token {last_token}")
             table = LeaseTable(
-                float(document["clock"]),
-                int(document["last_token"]),
+                float(clock),
+                last_token,
                 int(document["position"]),
                 leases,
                 holders,
@@ -567,4 +592,10 @@ def _lease_of(fields: list[Any]) -> Lease:
         raise ValueError(f"names {names!r}")
     if not _is_name(lease_id) or not _is_name(owner):
         raise ValueError(f"lease {lease_id!r} of {owner!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"lease {lease_id!r} names a resource twice: {names!r}")
+    if not (_is_number(ttl) and ttl > 0 and _is_number(expires_at)):
+        raise ValueError(f"lease {lease_id!r}: ttl {ttl!r}, expires_at {expires_at!r}")
+    if not (_is_count(token) and _is_count(position)) or (token == 0 and position != 0):
+        raise ValueError(f"lease {lease_id!r}: token {token!r}, position {position!r}")
     return Lease(lease_id, owner, tuple(names), mode, ttl, expires_at, token, position)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -490,6 +491,22 @@ def test_a_table_loaded_from_its_snapshot_decides_as_the_table_it_was_taken_of(s
         b'{"format":1,"clock":0,"last_token":0,"position":0,"leases":[],"holders":{},'
         b'"events":[["stolen",["x","o",["a"],"read",1.0,2.0,1,1],1]]}',
         b'{"format":1,"clock":0,"last_token":0,"position":0,"leases":[],"holders":[],"events":[]}',
+        # A token above the counter: the next grant (token 4) would undercut it. Before:
+        # decoded, and tokens no longer increased on "a".
+        b'{"format":1,"clock":0,"last_token":3,"position":1,"holders":{"a":["x"]},"events":[],'
+        b'"leases":[["x","o",["a"],"write",1.0,2.0,10,1]]}',
+        # A clock that is not a number (NaN: no lease would ever expire), a name twice, a
+        # waiting request with a grant's position, a TTL of 0, a bool for a token.
+        b'{"format":1,"clock":NaN,"last_token":0,"position":0,"leases":[],"holders":{},'
+        b'"events":[]}',
+        b'{"format":1,"clock":0,"last_token":0,"position":1,"holders":{},"events":[],'
+        b'"leases":[["x","o",["a","a"],"read",1.0,2.0,0,0]]}',
+        b'{"format":1,"clock":0,"last_token":0,"position":1,"holders":{},"events":[],'
+        b'"leases":[["x","o",["a"],"read",1.0,2.0,0,7]]}',
+        b'{"format":1,"clock":0,"last_token":0,"position":1,"holders":{},"events":[],'
+        b'"leases":[["x","o",["a"],"read",0,2.0,0,0]]}',
+        b'{"format":1,"clock":0,"last_token":1,"position":1,"holders":{"a":["x"]},"events":[],'
+        b'"leases":[["x","o",["a"],"read",1.0,2.0,true,1]]}',
         # A held writer missing from the holders: a later grant would give "a" to another.
         b'{"format":1,"clock":0,"last_token":1,"position":1,"holders":{},"events":[],'
         b'"leases":[["x","o",["a"],"write",1.0,2.0,1,1]]}',
@@ -502,3 +519,27 @@ def test_a_table_loaded_from_its_snapshot_decides_as_the_table_it_was_taken_of(s
 def test_a_damaged_table_snapshot_is_a_codec_error(data: bytes) -> None:
     with pytest.raises(CodecError, match="not a lease-table snapshot"):
         LeaseTableCodec().decode(data)
+
+
+def test_a_grant_long_after_its_request_still_expires_at_a_number() -> None:
+    # A request with a TTL that fit its own clock, granted when the clock had moved far on
+    # (only a foreign or old writer's ops reach such numbers). Before: it expired at inf,
+    # never, and the table's next expiry was inf.
+    t = Table()
+    t.acquire("h", ["r"], "write", now=0, ttl=1)
+    t.acquire("w", ["r"], "write", now=0, ttl=1e308)
+    t.record({"op": "tick", "now": 9e307})
+    granted = t.state.leases["w"]
+    assert granted.held
+    assert granted.expires_at == sys.float_info.max
+    t.record({"op": "tick", "now": sys.float_info.max})
+    assert "w" not in t.state.leases
+
+
+@pytest.mark.parametrize("field", ["now", "ttl"])
+def test_an_op_with_an_int_too_large_for_a_float_is_a_value_error(field: str) -> None:
+    # Before: OverflowError (from math.isfinite), not the ValueError apply documents.
+    op = {"op": "acquire", "id": "x", "owner": "x", "names": ["a"], "mode": "read"}
+    op.update({"now": 1.0, "ttl": 1.0, field: 2**1024})
+    with pytest.raises(ValueError, match=field):
+        Table().record(op)
