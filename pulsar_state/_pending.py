@@ -62,6 +62,8 @@ class PendingWrite:
     # Its failure, decided on the state it was built on: given once that state is confirmed
     # the log's latest (as a write that changes nothing is confirmed), else decided again.
     refusal: BaseException | None = None
+    # A batch holding it could not be built once (copy_state raised): the next time, it fails.
+    build_failed: bool = False
 
 
 class RecordClaim:

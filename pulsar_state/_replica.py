@@ -814,7 +814,9 @@ class Replica(Generic[S, Op]):
             for listener in list(self.listeners):
                 try:
                     listener(applied)
-                except Exception:
+                except BaseException as exc:  # (its record is applied: no halt for it)
+                    if isinstance(exc, KeyboardInterrupt | SystemExit):
+                        raise
                     logger.exception("listener raised; it stays registered")
         self._version_waiters.release(self.version)
 

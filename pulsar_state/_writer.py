@@ -45,6 +45,7 @@ from ._errors import (
     RecordTooLargeError,
     WriteOutcomeUnknownError,
     WriterBusyError,
+    callback_error,
 )
 from ._pending import PendingWrite, PendingWrites
 from ._pulsar import LogPosition, PulsarConnection, StateWriter
@@ -988,12 +989,24 @@ class Writer:
                 replica.version,
                 replica.last_record_id,
             )
-        except BaseException:
-            # Not one write's failure (copy_state raised, say): the writes taken are queued
-            # again, and the serve loop's retry logs this and pauses; their deadlines bound it
-            # (a timeout then names this error). Dropped here, they waited out their deadline.
-            pending.requeue(batch, retry_count=False)
-            raise
+        except BaseException as exc:
+            # Not one write's failure (copy_state raised, say). Dropped here, the writes taken
+            # waited out their deadline: they are built once more (a passing failure), then
+            # fail with it, those whose earlier attempt may land excepted (their deadline
+            # ends them, unknown). No release and retake of the writer per try.
+            failure = callback_error(exc, "building a batch of writes (copy_state)")
+            logger.error("building a batch of writes on %s failed", self._topic, exc_info=exc)
+            again = []
+            for write in batch:
+                if write.future.done():
+                    continue
+                if write.build_failed and not write.outstanding:
+                    write.future.set_exception(failure)
+                else:
+                    write.build_failed = True
+                    again.append(write)
+            pending.requeue(again, retry_count=False)
+            return [], []
         unchanged = []
         for refused, error in built.refused:
             if self._lingering(refused):

@@ -493,3 +493,39 @@ async def test_a_write_whose_batch_could_not_be_built_once_is_retried(
             armed["fail"] = 1
             await manager.write(lambda s: [incr()], timeout=10.0)
         assert await manager.read(lambda s: s["count"], latest=True) == 3
+
+
+@pytest.mark.parametrize(
+    ("raised", "expected"),
+    [
+        (MemoryError("injected: no memory for the trial copy"), MemoryError),
+        (asyncio.CancelledError("injected: a cancelled future's result()"), PulsarStateError),
+    ],
+)
+async def test_a_batch_that_cannot_be_built_fails_its_writes_and_the_writer_goes_on(
+    service_url: str, admin_url: str, topic: str, raised: BaseException, expected: type
+) -> None:
+    # copy_state fails every time. Before: the writes were retried, the writer released and
+    # taken again every 0.1 s until their deadline (measured: 19 producers for a 2 s write),
+    # and a CancelledError ended the writer task still holding the topic's writer.
+    armed = {"on": False}
+
+    def failing_copy(state: Any) -> Any:
+        if armed["on"]:
+            raise raised
+        return {"count": state["count"], "seen": dict(state["seen"])}
+
+    async with counter_manager(
+        service_url, topic, admin_url, copy_state=failing_copy, idle_release_s=30.0
+    ) as manager:
+        await manager.write(lambda s: [incr()])  # the writer is taken, then it idles
+        releases = manager.stats.writer_releases
+        armed["on"] = True
+        started = time.monotonic()
+        with pytest.raises(expected):
+            await manager.write(lambda s: [incr()], timeout=20.0)
+        assert time.monotonic() - started < 10.0  # at once, not at its deadline
+        armed["on"] = False
+        await manager.write(lambda s: [incr()], timeout=10.0)
+        assert manager.stats.writer_releases == releases
+        assert await manager.read(lambda s: s["count"], latest=True) == 2

@@ -360,3 +360,18 @@ def test_an_apply_raising_a_base_exception_halts_the_replica_never_applies_twice
     assert "CancelledError" in str(target.halt)
     assert calls == ["boom"]
     assert target.version == 0
+
+
+def test_a_listener_raising_a_base_exception_is_logged_not_a_halt() -> None:
+    # Its record is applied and committed: as for a listener raising an Exception, logged.
+    # Before: a CancelledError from a listener halted the replica for good.
+    target, _ = replica()
+
+    def listener(_applied: Any) -> None:
+        raise asyncio.CancelledError("a cancelled future's result(), in a listener")
+
+    target.listeners.append(listener)
+    feed(target, [record("W", 1, 0, "", "a"), record("W", 2, 1, "W/1", "b")])
+    assert target.halt is None
+    assert target.version == 2
+    assert target.state == {"a": 1, "b": 2}
