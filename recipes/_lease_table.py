@@ -463,10 +463,10 @@ def _ttl_of(op: dict[str, Any]) -> float:
 # (Unix-time clocks resolve about 0.2 us, and renewals come every ttl / 3); above ten years
 # it outlives any holder, and its expiry could overflow once the log clock has moved on.
 MIN_TTL_S = 0.001
+MAX_TTL_S = 10 * 365 * 86400.0
 # The latest expiry a grant gives (a request's TTL is checked against the clock when it is
 # made; the clock may have moved on by its grant).
 _LATEST = sys.float_info.max
-MAX_TTL_S = 10 * 365 * 86400.0
 
 
 def check_ttl(ttl: float) -> float:

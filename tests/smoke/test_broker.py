@@ -147,3 +147,10 @@ async def test_broker_comes_back_after_each_sigkill(broker: Broker, topic: str) 
         # A fresh topic needs a new ledger on a working bookie; the old one must still be there.
         await write_and_read_back(broker.service_url, f"{topic}-after-{restart}", b"after")
         assert await read_first(broker.service_url, f"{topic}-before-{restart}") == before
+
+
+def test_warming_a_broker_up_that_is_warm_takes_one_round(broker: Broker) -> None:
+    # A broker the session started is warmed up before the first test (a cold one took
+    # seconds per producer and send, expiring short test leases); a warm one passes at once.
+    spent = broker.warm_up(budget_s=60.0)
+    assert spent < 30.0, spent
