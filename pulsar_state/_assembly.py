@@ -22,7 +22,7 @@ from typing import Any, Generic, Literal, TypeVar
 from ._admin import AdminClient
 from ._bootstrap import replay_to_tail
 from ._codecs import Codec
-from ._context import Context
+from ._context import Context, check_count
 from ._credentials import warn_if_rest_blind
 from ._durable import DurableState, LogMark
 from ._envelope import SnapshotManifest
@@ -97,10 +97,9 @@ class OpenOptions(Generic[S]):
             raise ConfigurationError(
                 "trim_history needs snapshot_codec= (it trims behind snapshots)"
             )
-        if self.keep_snapshots < 1:
-            raise ConfigurationError(
-                f"keep_snapshots must be at least 1, not {self.keep_snapshots}"
-            )
+        check_count("keep_snapshots", self.keep_snapshots, 1)
+        # (0 sent empty chunks for ever; a streamed snapshot is cut as it is encoded)
+        check_count("snapshot_chunk_bytes", self.snapshot_chunk_bytes, 1)
 
 
 class Assembly(Generic[S, Op]):

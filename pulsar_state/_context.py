@@ -88,6 +88,12 @@ _RULES: dict[str, tuple[Callable[[object], bool], str, bool]] = {
 }
 
 
+def check_count(name: str, value: object, least: int) -> None:
+    """ConfigurationError unless ``value`` is an int (not a bool) of at least ``least``."""
+    if not _count(least)(value):
+        raise ConfigurationError(f"{name} must be an int >= {least}, not {value!r}")
+
+
 def check_setting(name: str, value: object) -> None:
     """ConfigurationError unless ``value`` is allowed for the setting ``name`` (a timeout of
     NaN or -1, or a string, slipped through and failed later, far from its cause)."""

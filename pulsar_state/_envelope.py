@@ -26,6 +26,7 @@ same way by every replica, makes a stale or fenced writer harmless whatever the 
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 import zlib
 from collections.abc import Sequence
@@ -252,6 +253,10 @@ _MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+_HEX32 = re.compile("[0-9a-f]{32}")
+_HEX64 = re.compile("[0-9a-f]{64}")
+
+
 def _check_manifest(manifest: SnapshotManifest) -> None:
     for name, allowed in _MANIFEST_TYPES.items():
         value = getattr(manifest, name)
@@ -265,7 +270,15 @@ def _check_manifest(manifest: SnapshotManifest) -> None:
             and type(pair[1]) is int
         ):
             raise TypeError(f"field log_stale holds {pair!r}, not a (record id, position)")
-    bytes.fromhex(manifest.snapshot_id)  # ValueError if not hex (chunks carry it as bytes)
+    # Chunks carry the id as 16 bytes; the digest is checked as SHA-256 hex.
+    if not _HEX32.fullmatch(manifest.snapshot_id) or not _HEX64.fullmatch(manifest.digest):
+        raise ValueError(f"snapshot id {manifest.snapshot_id!r} or digest {manifest.digest!r}")
+    # A snapshot has at least one chunk (an empty state: one empty chunk): with none, its
+    # size and digest would never be checked and it would load as no bytes at all.
+    if manifest.chunks < 1 or manifest.size < 0 or manifest.position < 0:
+        raise ValueError(
+            f"{manifest.chunks} chunks, {manifest.size} bytes, position {manifest.position}"
+        )
 
 
 def message_fingerprint(payload: bytes, *, message_id: str) -> str:

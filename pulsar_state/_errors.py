@@ -118,7 +118,8 @@ class OperationTimeoutError(PulsarStateError, TimeoutError):
 
 
 class WriterBusyError(PulsarStateError):
-    """Another process held the topic's exclusive writer for the whole acquisition timeout."""
+    """Another process held the topic's exclusive writer for the whole acquisition timeout
+    (or, for a snapshot, this replica is still loading one, or encoding one that timed out)."""
 
     retriable = True
 

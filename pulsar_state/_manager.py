@@ -95,7 +95,7 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             ops to the view must give what applying them to ``state`` gives. For example
             ``DictOverlay`` (for a dict whose values ``apply`` replaces, never changes in
             place), or a state class's own overlay. When given, ``copy_state`` is used for
-            snapshots only.
+            snapshots only (and may not be None with a ``snapshot_codec``).
         adopt_trial: ``adopt_trial(state, trial)`` returns the live state after this
             process's own record of one write, from ``trial``: the trial state (a view from
             ``trial_state``, or a ``copy_state`` copy) that write was built and checked on,
@@ -151,7 +151,8 @@ class SharedStateManager(Tunables, Generic[S, Op]):
             :class:`StreamingCodec` (with ``encode_parts``) is written part by part.
         snapshot_every_records / snapshot_every_bytes: the writer takes a snapshot after this
             many records (or bytes of records) since the last one. None: only manual.
-        snapshot_chunk_bytes: snapshot chunk size (one message each; no overall size cap).
+        snapshot_chunk_bytes: snapshot chunk size, an int >= 1 (one message each, so at
+            most the broker's ``maxMessageSize`` less 28 bytes; no overall size cap).
         load_snapshot: open from the newest good snapshot (default) or replay everything.
         trim_history: after each snapshot this manager writes, let the broker delete the
             history behind the ``keep_snapshots`` newest snapshots (needs ``snapshot_codec``).
@@ -231,6 +232,14 @@ class SharedStateManager(Tunables, Generic[S, Op]):
         if adopt_trial is not None and durable_state is not None:
             # A durable state may note changes as apply makes them; adopting skips apply.
             raise ConfigurationError("adopt_trial cannot be combined with durable_state")
+        if trial_state is not None and copy_state is None and snapshot_codec is not None:
+            # copy_state=None promises an apply that never mutates its input, which only the
+            # trial run checks, and not on a trial_state view: a snapshot would encode the
+            # live state while records change it, its bytes ahead of its position.
+            raise ConfigurationError(
+                "snapshots with trial_state need copy_state (a full copy of the state, encoded "
+                "in a thread while the live state changes), not None"
+            )
         self.topic = TopicName.parse(topic)
         client_options = secured_client_options(
             client_options, authentication, tls_trust_certs_file_path, tls_validate_hostname

@@ -689,6 +689,8 @@ class SnapshotPolicy(Generic[S]):
         # True while a snapshot is being stored into a durable state: its content may change
         # before the replica's version does, so no snapshot is taken meanwhile.
         self._storing = False
+        # A worker thread encoding a snapshot, maybe of an attempt that timed out (_encode).
+        self._encoding = False
         # A determinism check of a streamed codec under way (see check_determinism).
         self._checking: asyncio.Task[None] | None = None
         # Snapshots being taken (automatic or by hand): each a future done when it ends.
@@ -762,11 +764,15 @@ class SnapshotPolicy(Generic[S]):
     ) -> bool:
         """Load the newest snapshot that checks out; older ones are fallbacks. True if one was.
         ``patient``: wait for the log as long as for any read before calling a message absent."""
-        manifests = await self._store.manifests()
+        # By position, newest first (ties: the one written last): a lagging or slow process
+        # may write a snapshot of an older position after a newer one.
+        manifests = sorted(
+            reversed(await self._store.manifests()), key=lambda m: m.position, reverse=True
+        )
         if manifests and not load:
-            self._to_verify = manifests[-1]
+            self._to_verify = manifests[0]
             return False
-        for manifest in reversed(manifests):
+        for manifest in manifests:
             if manifest.position < at_least:
                 continue
             try:
@@ -1027,6 +1033,11 @@ class SnapshotPolicy(Generic[S]):
         if replica.halt is not None:
             # Its state may hold part of the record it halted on: never a snapshot of that.
             raise replica.halted_error()
+        if self._encoding:
+            raise WriterBusyError(
+                f"a snapshot of {self._topic} that timed out is still encoding its copy of the "
+                "state; try again later (or with a longer timeout)"
+            )
         # Captured in one synchronous step: the state, its version and the log position.
         state = self._copy_state(replica.state)
         version, record_id, origin = replica.version, replica.last_record_id, replica.origin
@@ -1037,15 +1048,16 @@ class SnapshotPolicy(Generic[S]):
         stale = replica.stale_at_applied
         bytes_read = self._stats.bytes_read
         started = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout_at(deadline):
                 parts: Iterable[bytes]
                 count = 0  # of chunks: known only at the end of a streamed snapshot
                 if isinstance(self._codec, StreamingCodec):
                     # Made as the chunks are sent (in a worker thread): never whole in memory.
                     parts = self._unless_closed(self._codec.encode_parts(state))
                 else:
-                    data = await asyncio.to_thread(encode_checked, self._codec, state)
+                    data = await self._encode(state)
                     parts, count = (data,), self._store.chunks_for(len(data))
                 manifest = await self._store.write(
                     parts,
@@ -1075,10 +1087,26 @@ class SnapshotPolicy(Generic[S]):
         )
         if self._trim_log is not None:
             try:
-                await self.trim()
-            except PulsarStateError as exc:  # the snapshot stands; the next one trims again
-                logger.warning("trimming %s after a snapshot failed: %s", self._topic, exc)
+                async with asyncio.timeout_at(deadline):  # (the caller's timeout covers it)
+                    await self.trim()
+            except (PulsarStateError, TimeoutError) as exc:
+                # The snapshot stands; the next one trims again.
+                logger.warning("trimming %s after a snapshot failed: %r", self._topic, exc)
         return manifest
+
+    async def _encode(self, state: S) -> bytes:
+        """``state`` encoded (and checked) in a worker thread. A thread cannot be stopped: one
+        whose snapshot timed out runs on, holding its copy of the state, and until it ends
+        no other snapshot starts (see _take: each would copy the state once more)."""
+        self._encoding = True
+
+        def encode() -> bytes:
+            try:
+                return encode_checked(self._codec, state)
+            finally:
+                self._encoding = False
+
+        return await asyncio.to_thread(encode)
 
     async def trim(self) -> LogPosition | None:
         """Move the trim points to just before what the oldest of the ``keep_snapshots``

@@ -10,6 +10,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -122,6 +123,96 @@ async def test_corrupt_newest_snapshot_falls_back_to_older_one(
     assert "unusable, falling back" in caplog.text
     assert "damaged snapshot manifest" in caplog.text or "not a valid" in caplog.text
     assert older.position < newest.position
+
+
+async def test_the_snapshot_at_the_highest_position_is_loaded_not_the_last_written(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A lagging replica (or one that encodes slowly) writes a snapshot of an older position
+    # after a newer one. Before: opening loaded the one written last and replayed more; with
+    # trim_history, whose trim point follows the newest positions, it found that one's
+    # covered message trimmed and warned of a topic created again (review 45b F5).
+    async with counter_manager(service_url, topic, admin_url, **json_state) as writer:
+        await write_increments(writer, 10, "a")
+        older = await writer.snapshot()
+        await write_increments(writer, 10, "b")
+        newest = await writer.snapshot()
+        await write_increments(writer, 5, "c")
+        expected = await writer.read(lambda s: s, latest=True)
+    late = SnapshotManifest(**{**_fields(older), "writer_id": "lagging", "created_at": 1.0})
+    async with raw_producer(service_url, topic + "-snapshot-index") as producer:
+        await producer.send(encode_manifest(late), partition_key="late")
+    async with counter_manager(service_url, topic, admin_url, **json_state) as replica:
+        assert replica.stats.snapshot_loaded_position == newest.position
+        assert await replica.read(lambda s: s) == expected
+    assert older.position < newest.position
+
+
+class _SlowCodec(JsonCodec):
+    """Encodes slowly while ``slow`` is set, counting the encodes under way at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow, self.idle = threading.Event(), threading.Event()
+        self.running = self.most = 0
+
+    def encode(self, value: Any) -> bytes:
+        self.idle.clear()
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            if self.slow.is_set():
+                time.sleep(1.0)
+            return super().encode(value)
+        finally:
+            self.running -= 1
+            if not self.running:
+                self.idle.set()
+
+
+async def test_a_snapshot_that_timed_out_encoding_blocks_the_next_until_its_thread_ends(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # A worker thread cannot be stopped: before, each retry started another copy and encode
+    # beside the ones still running (four at once in review 45b F3's run), so a state that
+    # took longer to encode than the timeout piled up copies and never got a snapshot.
+    codec = _SlowCodec()
+    async with counter_manager(service_url, topic, admin_url, snapshot_codec=codec) as manager:
+        await write_increments(manager, 5, "a")
+        codec.slow.set()
+        with pytest.raises(OperationTimeoutError, match="took over"):
+            await manager.snapshot(timeout=0.2)
+        for _ in range(3):
+            with pytest.raises(WriterBusyError, match="still encoding"):
+                await manager.snapshot(timeout=0.2)
+        codec.slow.clear()
+        # The timed-out attempt's thread ends on its own.
+        assert await asyncio.to_thread(codec.idle.wait, 10)
+        assert (await manager.snapshot(timeout=30)).position == manager.position
+    assert codec.most == 1
+
+
+async def test_the_trim_after_a_snapshot_keeps_to_the_snapshot_timeout(
+    service_url: str, admin_url: str, topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, the trim ran after the timeout's scope: snapshot(timeout=T) took T plus as long
+    # as reading the snapshot index took (up to open_timeout_s; review 45b F4). A trim slowed
+    # down here stands for a slow index read.
+    trim = _snapshots.SnapshotPolicy.trim
+
+    async def slow_trim(self: Any) -> Any:
+        await asyncio.sleep(20)
+        return await trim(self)
+
+    monkeypatch.setattr(_snapshots.SnapshotPolicy, "trim", slow_trim)
+    async with counter_manager(
+        service_url, topic, admin_url, trim_history=True, **json_state
+    ) as manager:
+        await write_increments(manager, 5, "a")
+        started = time.monotonic()
+        manifest = await manager.snapshot(timeout=2.0)  # the snapshot stands, untrimmed
+        assert time.monotonic() - started < 10
+        assert manifest.position == manager.position
 
 
 def _fields(manifest: SnapshotManifest) -> dict[str, Any]:

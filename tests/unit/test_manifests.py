@@ -66,6 +66,16 @@ def test_a_manifest_names_the_stale_records_it_resumes_after_and_older_ones_none
         ("log_stale", [[2, 9]]),
         ("log_stale", None),
         ("snapshot_id", "not hex"),
+        # Values no snapshot has (review 45b F6): with no chunk, none was read, neither size
+        # nor digest was checked, and the snapshot loaded as no bytes at all.
+        ("chunks", 0),
+        ("chunks", -3),
+        ("size", -1),
+        ("position", -1),
+        ("snapshot_id", "0123456789abcdef"),
+        ("snapshot_id", "01 23456789abcdef0123456789abcdef"),
+        ("digest", "0" * 63),
+        ("digest", "sha256"),
     ],
 )
 def test_a_manifest_with_a_field_of_another_type_is_damaged(field: str, value: object) -> None:

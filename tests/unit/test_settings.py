@@ -71,3 +71,32 @@ def test_good_settings_are_kept(name: str, value: object) -> None:
     running = manager()
     setattr(running, name, value)
     assert getattr(running, name) == value
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        # Before: accepted; 0 made a streamed snapshot send empty chunks until its timeout,
+        # and a whole-bytes one raise ZeroDivisionError (review 45b F2).
+        ("snapshot_chunk_bytes", 0),
+        ("snapshot_chunk_bytes", -5),
+        ("snapshot_chunk_bytes", 1.5),
+        ("snapshot_chunk_bytes", True),
+        ("keep_snapshots", 1.5),
+    ],
+)
+def test_a_bad_open_option_is_refused_at_construction(name: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=f"{name} must be an int >= 1"):
+        manager(**{name: value})
+
+
+def test_snapshots_of_a_trial_state_need_a_copy_of_the_state() -> None:
+    # copy_state=None shares the live state with a snapshot, encoded in a thread while
+    # records change it; with trial_state nothing checks that apply never mutates it, and a
+    # snapshot held records past its position (applied twice on load; review 45b F1).
+    from pulsar_state import DictOverlay, JsonCodec
+
+    with pytest.raises(ConfigurationError, match="copy_state"):
+        manager(trial_state=DictOverlay, copy_state=None, snapshot_codec=JsonCodec())
+    manager(trial_state=DictOverlay, copy_state=None)  # no snapshots: copy_state is unused
+    manager(trial_state=DictOverlay, copy_state=dict.copy, snapshot_codec=JsonCodec())
