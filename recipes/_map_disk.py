@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import struct
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -303,6 +304,7 @@ class _Env:
         self.config = config
         self.path = Path(config.path)
         self.env: Any = None
+        # As meta's "active" names them (a load swaps them when it commits the switch).
         self.data: Any = None  # the entries (the active database)
         self.spare: Any = None  # where a snapshot is loaded, then switched to
         self.spare_name = _DATABASES[1]
@@ -521,12 +523,15 @@ class DiskMapState(MapState[K, V]):
         "_codecs",
         "_count",
         "_env",
+        "_loading",
+        "_lock",
         "_mark",
         "_pending",
         "_pending_count",
         "_read_txn",
         "_switched",
         "_topic",
+        "_view",
     )
 
     def __init__(self, config: DiskStore, codecs: MapCodecs[K, V], topic: str = "") -> None:
@@ -543,9 +548,16 @@ class DiskMapState(MapState[K, V]):
         self._pending_count = 0
         self._mark: LogMark | None = None
         self._read_txn: Any = None
-        # Set by a snapshot load (a worker thread) once the store switched to the loaded
+        # The database the loop reads (its read transaction and cache): the active one, or
+        # until the loop follows a load's switch (see _settle) the one active before.
+        self._view: Any = None
+        # Set by a snapshot load (a worker thread) once it switched the store to the loaded
         # database; the loop's next use of the store follows it (see _settle).
         self._switched = False
+        self._loading = False  # a load (a worker thread) is filling the spare database
+        # Held by a load to start, to switch and to give up, and by the loop to follow a
+        # switch or begin a read transaction: a load never empties what the loop reads.
+        self._lock = threading.Lock()
         self.values = _Values(self)  # type: ignore[assignment]
 
     # ------------------------------------------------------------ opening and closing
@@ -564,6 +576,7 @@ class DiskMapState(MapState[K, V]):
     def open_store(self) -> None:
         """Open the store directory (see :class:`DiskStore` for what is refused)."""
         reason = self._env.open(self._topic, self._codec_names())
+        self._view = self._env.data
         if reason is not None:
             self._reset_or_refuse(reason)  # raises, or empties the store
         # Open from now on: a machine crash before the next clean close is detected.
@@ -615,13 +628,22 @@ class DiskMapState(MapState[K, V]):
     def _settle(self) -> None:
         """On the loop, once a snapshot load switched the store: read the loaded database
         from now on (until then, and while it loaded, the loop read the old one, cache
-        included), and empty the old one."""
+        included)."""
+        if self._switched:
+            with self._lock:
+                self._follow()
+
+    def _follow(self) -> None:
+        """_settle's work, holding the lock: the old database is emptied too, unless
+        another load started since (which emptied it, and fills it)."""
         if not self._switched:
             return
         self._switched = False
         self._drop_read()
         self._cache.clear()
-        self._env.switched()
+        self._view = self._env.data
+        if self._loading:
+            return
         try:
             self._env.drop_spare()
         except _lmdb().Error as exc:  # only space: the next open or load empties it
@@ -631,7 +653,9 @@ class DiskMapState(MapState[K, V]):
         self._settle()
         txn = self._read_txn
         if txn is None:
-            txn = self._read_txn = self._env.env.begin(db=self._env.data)
+            with self._lock:  # no load switches, then empties the database, before it begins
+                self._follow()
+                txn = self._read_txn = self._env.env.begin(db=self._view)
         return txn
 
     def _drop_read(self) -> None:
@@ -841,8 +865,8 @@ class DiskMapState(MapState[K, V]):
     def copy(self) -> MapState[K, V]:
         """A consistent, read-only view of the store for a snapshot (its own LMDB read
         transaction: applies go on meanwhile)."""
-        self._settle()
-        return _DiskView(self, self._env.env.begin(db=self._env.data))
+        with self._lock:  # the database and the count a load switches together
+            return _DiskView(self, self._env.env.begin(db=self._env.data))
 
     def load_snapshot(self, chunks: Iterable[bytes], mark: LogMark) -> DiskMapState[K, V]:
         """Replace the store's content by the snapshot at ``mark`` (its bytes: ``chunks``
@@ -853,28 +877,37 @@ class DiskMapState(MapState[K, V]):
         iterator raises, the spare is emptied and nothing else changed. Meanwhile, the
         loop's reads see the old content; its next use of the store follows the switch."""
         env = self._env
+        with self._lock:
+            self._loading = True
         try:
-            env.drop_spare()  # empty already, unless the old entries could not be dropped
+            # Empty already, unless the old entries could not be dropped, or the loop has not
+            # followed the last load yet (it reads the database active before that one).
+            env.drop_spare()
             count = 0
             for batch in _batches(stored_entries(chunks, self._codecs)):
                 with env.env.begin(write=True) as txn:
                     count += txn.cursor(db=env.spare).putmulti(batch)[1]
-            with env.env.begin(write=True) as txn:
-                txn.put(_ACTIVE, env.spare_name, db=env.meta)
-                txn.put(_MARK, pack_mark(mark, count), db=env.meta)
+            with self._lock:
+                with env.env.begin(write=True) as txn:
+                    txn.put(_ACTIVE, env.spare_name, db=env.meta)
+                    txn.put(_MARK, pack_mark(mark, count), db=env.meta)
+                env.switched()
+                self._pending.clear()
+                self._cleared = False
+                self._count = self._pending_count = count
+                self._mark = mark
+                self.position = mark.position
+                self.op_index = 0
+                self._switched = True
+                self._loading = False
         except BaseException:
-            try:
-                env.drop_spare()
-            except Exception as exc:  # only space: emptied on the next open or load
-                logger.warning("could not empty the spare database of %s: %s", env.path, exc)
+            with self._lock:
+                self._loading = False
+                try:
+                    env.drop_spare()
+                except Exception as exc:  # only space: emptied on the next open or load
+                    logger.warning("could not empty the spare database of %s: %s", env.path, exc)
             raise
-        self._pending.clear()
-        self._cleared = False
-        self._count = self._pending_count = count
-        self._mark = mark
-        self.position = mark.position
-        self.op_index = 0
-        self._switched = True
         return self
 
     def refuse_history(self, reason: str) -> None:

@@ -466,6 +466,66 @@ def test_reads_during_a_snapshot_load_see_the_old_content(
     reopened.close_store()
 
 
+def test_a_failed_load_right_after_another_leaves_the_first_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two loads with no use of the store by the loop in between (a fall-forward right after
+    # an open from a snapshot): the second's failure emptied the database the first filled.
+    monkeypatch.setattr(map_disk, "_LOAD_TRANSACTION_BYTES", 200)
+    state = state_with_one_key(tmp_path, "old")
+    first = LogMark(5, "first", LogPosition(2, 1))
+    state.load_snapshot([snapshot_bytes(["a", "b", "c"])], first)
+    data = snapshot_bytes([f"k{i:03d}" for i in range(100)])
+
+    def damaged() -> Any:
+        yield data[: len(data) // 2]
+        raise RuntimeError("the digest did not match")
+
+    with pytest.raises(RuntimeError, match="digest"):
+        state.load_snapshot(damaged(), LogMark(9, "snap", LogPosition(2, 2)))
+    assert state.mark == first
+    assert state.count() == 3
+    assert [(k, e.value) for k, e in state.entries_in_order()] == [("a", 0), ("b", 1), ("c", 2)]
+    state.close_store()
+    reopened = open_state(tmp_path)
+    assert reopened.mark == first
+    assert reopened.count() == 3
+    assert [(k, e.value) for k, e in reopened.entries_in_order()] == [("a", 0), ("b", 1), ("c", 2)]
+    reopened.close_store()
+
+
+def test_reads_during_a_load_right_after_another_see_the_first_and_lose_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(map_disk, "_LOAD_TRANSACTION_BYTES", 200)  # many transactions
+    state = state_with_one_key(tmp_path, "old")
+    state.load_snapshot([snapshot_bytes(["first"])], LogMark(5, "first", LogPosition(2, 1)))
+    data = snapshot_bytes([f"k{i:03d}" for i in range(100)])
+    seen: list[Any] = []
+
+    def chunks() -> Any:
+        for at in range(0, len(data), 100):
+            yield data[at : at + 100]
+            if at >= 1000:  # once the second load stored a few transactions
+                seen.append((state.lookup("first"), state.lookup("k000")))
+
+    mark = LogMark(9, "snap", LogPosition(2, 2))
+    state.load_snapshot(chunks(), mark)
+    assert len(seen) > 10
+    # Until the second load ends the loop reads what the first loaded, then the second.
+    assert all(found[0] is not None and found[1] is None for found in seen)
+    assert state.count() == 100
+    assert [k for k, _ in state.entries_in_order()] == [f"k{i:03d}" for i in range(100)]
+    state.close_store()
+    reopened = open_state(tmp_path)
+    assert reopened.mark == mark
+    assert reopened.count() == 100
+    assert [k for k, _ in reopened.entries_in_order()] == [f"k{i:03d}" for i in range(100)]
+    with reopened._env.env.begin() as txn:
+        assert txn.stat(reopened._env.spare)["entries"] == 0
+    reopened.close_store()
+
+
 _KILLED_MID_LOAD = """
 import os, signal, sys
 from typing import Any
@@ -482,11 +542,17 @@ state.open_store()
 state.begin(1)
 state.apply(codecs.put("old", 1))
 state.commit(LogMark(1, "r1", LogPosition(1, 1)))
-memory = MapState()
-memory.load({{}})
-for i in range(100):
-    memory.apply(codecs.put(f"k{{i:03d}}", i))
-data = MapSnapshotCodec(codecs).encode(memory)
+
+def snapshot(keys):
+    memory = MapState()
+    memory.load({{}})
+    for i, key in enumerate(keys):
+        memory.apply(codecs.put(key, i))
+    return MapSnapshotCodec(codecs).encode(memory)
+
+if {first_load!r}:  # loaded, and nothing used the store before the next load
+    state.load_snapshot([snapshot(["first"])], LogMark(5, "first", LogPosition(2, 1)))
+data = snapshot([f"k{{i:03d}}" for i in range(100)])
 
 def chunks():
     for at in range(0, len(data), 100):
@@ -498,17 +564,28 @@ state.load_snapshot(chunks(), LogMark(9, "snap", LogPosition(2, 2)))
 """
 
 
+@pytest.mark.parametrize("first_load", [False, True])
 def test_a_process_killed_while_loading_a_snapshot_reopens_to_the_old_content(
-    tmp_path: Path,
+    tmp_path: Path, first_load: bool
 ) -> None:
+    # first_load: a snapshot loaded just before, the loop never using the store in between
+    # (the second load emptied and refilled the database the first had made active).
     script = _KILLED_MID_LOAD.format(
-        root=str(Path(__file__).resolve().parents[2]), path=str(tmp_path), topic=TOPIC
+        root=str(Path(__file__).resolve().parents[2]),
+        path=str(tmp_path),
+        topic=TOPIC,
+        first_load=first_load,
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert done.returncode == -9, done.stderr.decode()
     reopened = open_state(tmp_path)
-    assert reopened.mark == LogMark(1, "r1", LogPosition(1, 1))
-    assert [(k, e.value) for k, e in reopened.entries_in_order()] == [("old", 1)]
+    if first_load:
+        assert reopened.mark == LogMark(5, "first", LogPosition(2, 1))
+        assert [(k, e.value) for k, e in reopened.entries_in_order()] == [("first", 0)]
+        assert reopened.count() == 1
+    else:
+        assert reopened.mark == LogMark(1, "r1", LogPosition(1, 1))
+        assert [(k, e.value) for k, e in reopened.entries_in_order()] == [("old", 1)]
     with reopened._env.env.begin() as txn:  # the part loaded was dropped on open
         assert txn.stat(reopened._env.spare)["entries"] == 0
     reopened.close_store()
