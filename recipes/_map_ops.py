@@ -663,7 +663,9 @@ class _Values(_StateView[K, V]):
     __slots__ = ()
 
     def _show(self, found: MapEntry[Any]) -> V:
-        return cast(V, found.value)
+        # readable: a disk state decodes a value on its first read, so the fast get_local may
+        # meet one that cannot be frozen (a type check for a frozen one).
+        return readable(cast(V, found.value))
 
 
 _ABSENT: Any = object()

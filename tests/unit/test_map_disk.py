@@ -301,6 +301,40 @@ class _LossyCodec(JsonCodec):
         return value
 
 
+class _SetCodec:
+    """Values that cannot be frozen: sets."""
+
+    def encode(self, value: Any, /) -> bytes:
+        return json.dumps(sorted(value)).encode()
+
+    def decode(self, data: bytes, /) -> Any:
+        return set(json.loads(bytes(data)))
+
+
+def test_values_that_cannot_be_frozen_are_read_as_copies_from_a_resumed_store(
+    tmp_path: Path,
+) -> None:
+    # A resumed store decodes a value on its first read: the map's fast get_local
+    # (state.values.get, bound while no value decoded was unfrozen) handed out the cached one.
+    codecs: MapCodecs[str, Any] = MapCodecs(StrCodec(), _SetCodec())
+    state: DiskMapState[str, Any] = DiskMapState(DiskStore(tmp_path), codecs, TOPIC)
+    state.open_store()
+    state.begin(1)
+    state.apply(codecs.put("k", {1, 2}))
+    state.commit(LogMark(1, "r1", LogPosition(1, 1)))
+    state.close_store()
+    resumed_codecs: MapCodecs[str, Any] = MapCodecs(StrCodec(), _SetCodec())
+    resumed: DiskMapState[str, Any] = DiskMapState(DiskStore(tmp_path), resumed_codecs, TOPIC)
+    resumed.open_store()
+    got = resumed.values.get("k")
+    assert got == {1, 2}
+    got.add(999)  # a caller changing what it read
+    assert resumed.values.get("k") == {1, 2}
+    assert resumed.values["k"] == {1, 2}
+    assert resumed.entries["k"].value == {1, 2}
+    resumed.close_store()
+
+
 def test_a_snapshot_of_a_disk_state_is_streamed_and_checked_entry_by_entry(
     tmp_path: Path,
 ) -> None:
