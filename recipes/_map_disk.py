@@ -529,6 +529,7 @@ class DiskMapState(MapState[K, V]):
         "_pending",
         "_pending_count",
         "_read_txn",
+        "_scans",
         "_switched",
         "_topic",
         "_view",
@@ -548,6 +549,7 @@ class DiskMapState(MapState[K, V]):
         self._pending_count = 0
         self._mark: LogMark | None = None
         self._read_txn: Any = None
+        self._scans = 0  # the loop's scans iterating the read transaction now
         # The database the loop reads (its read transaction and cache): the active one, or
         # until the loop follows a load's switch (see _settle) the one active before.
         self._view: Any = None
@@ -628,8 +630,9 @@ class DiskMapState(MapState[K, V]):
     def _settle(self) -> None:
         """On the loop, once a snapshot load switched the store: read the loaded database
         from now on (until then, and while it loaded, the loop read the old one, cache
-        included)."""
-        if self._switched:
+        included). Not during a scan: a read from its callbacks keeps the transaction it
+        iterates."""
+        if self._switched and not self._scans:
             with self._lock:
                 self._follow()
 
@@ -720,37 +723,50 @@ class DiskMapState(MapState[K, V]):
             found = cursor.next()
 
     def _scan(
-        self, low: bytes | None, high: bytes | None, *, with_values: bool
+        self,
+        low: bytes | None,
+        high: bytes | None,
+        *,
+        with_values: bool,
+        accept: Callable[[K], bool] | None = None,
     ) -> Iterator[tuple[K, MapEntry[V] | None]]:
-        """(key, entry) in key order with ``low <= key < high``; entries only when asked."""
+        """(key, entry) in key order with ``low <= key < high`` and, if given, ``accept(key)``
+        true; entries only when asked (and only of the keys accepted)."""
         self._settle()
-        pending = self._pending
-        if not pending:
-            peek = self._cache.peek
+        self._scans += 1
+        try:
+            pending = self._pending
+            if not pending:
+                peek = self._cache.peek
+                for skey, raw in self._stored(low, high):
+                    key = cast(K, key_from_store(skey))
+                    if accept is not None and not accept(key):
+                        continue
+                    if not with_values:
+                        yield key, None
+                        continue
+                    yield key, (peek(key) or self._decode(raw)[0])
+                return
+            # Inside a record (a write's reader): merge its changes in. Rare, so simple.
+            merged: dict[bytes, tuple[K, MapEntry[V] | None]] = {}
             for skey, raw in self._stored(low, high):
-                key = cast(K, key_from_store(skey))
-                if not with_values:
-                    yield key, None
+                merged[bytes(skey)] = (
+                    key_from_store(skey),
+                    self._decode(raw)[0] if with_values else None,
+                )
+            for key, entry in pending.items():
+                skey = store_key(key)
+                if (low is not None and skey < low) or (high is not None and skey >= high):
                     continue
-                yield key, (peek(key) or self._decode(raw)[0])
-            return
-        # Inside a record (a write's reader): merge its changes in. Rare, so simple.
-        merged: dict[bytes, tuple[K, MapEntry[V] | None]] = {}
-        for skey, raw in self._stored(low, high):
-            merged[bytes(skey)] = (
-                key_from_store(skey),
-                self._decode(raw)[0] if with_values else None,
-            )
-        for key, entry in pending.items():
-            skey = store_key(key)
-            if (low is not None and skey < low) or (high is not None and skey >= high):
-                continue
-            if entry is _DELETED:
-                merged.pop(skey, None)
-            else:
-                merged[skey] = (key, entry)
-        for skey in sorted(merged):
-            yield merged[skey]
+                if entry is _DELETED:
+                    merged.pop(skey, None)
+                else:
+                    merged[skey] = (key, entry)
+            for skey in sorted(merged):
+                if accept is None or accept(merged[skey][0]):
+                    yield merged[skey]
+        finally:
+            self._scans -= 1
 
     # ------------------------------------------------------------ MapState's reads
 
@@ -767,13 +783,11 @@ class DiskMapState(MapState[K, V]):
         return [key for key, _entry in self._scan(_bound(low), _bound(high), with_values=False)]
 
     def matching(self, accept: Callable[[K], bool]) -> list[tuple[K, MapEntry[V]]]:
-        found: list[tuple[K, MapEntry[V]]] = []
-        for key, _none in self._scan(None, None, with_values=False):
-            if accept(key):
-                entry = self.lookup(key)
-                assert entry is not None
-                found.append((key, entry))
-        return found
+        # The entries from the scan itself: one state, whatever a load does meanwhile.
+        return [
+            (key, cast(MapEntry[V], entry))
+            for key, entry in self._scan(None, None, with_values=True, accept=accept)
+        ]
 
     def entries_in_order(self) -> Iterable[tuple[K, MapEntry[V]]]:
         return [

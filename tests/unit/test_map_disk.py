@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -558,6 +559,35 @@ def test_reads_during_a_load_right_after_another_see_the_first_and_lose_nothing(
     with reopened._env.env.begin() as txn:
         assert txn.stat(reopened._env.spare)["entries"] == 0
     reopened.close_store()
+
+
+def test_a_scan_while_a_load_ends_gives_the_old_content_whole(tmp_path: Path) -> None:
+    state = open_state(tmp_path, cache_bytes=0)
+    apply_records(state, [[CODECS.put(f"k{i:03d}", i) for i in range(100)]], 1, commit=True)
+    loaded = LogMark(9, "snap", LogPosition(2, 2))
+    seen: list[str] = []
+
+    def accept(key: str) -> bool:
+        seen.append(key)
+        if len(seen) == 3:  # a fall-forward's load ends in its worker thread meanwhile
+            load = threading.Thread(
+                target=state.load_snapshot, args=([snapshot_bytes(["new"])], loaded)
+            )
+            load.start()
+            load.join()
+        # A read from the scan's callback does not switch the store under the scan.
+        entry = state.lookup("k000")
+        assert entry is not None
+        assert entry.value == 0
+        return key.endswith("0")
+
+    found = state.matching(accept)
+    assert len(seen) == 100
+    assert [(k, e.value) for k, e in found] == [(f"k{i:03d}", i) for i in range(0, 100, 10)]
+    assert state.mark == loaded  # the scan ended: the next read follows the load
+    assert [(k, e.value) for k, e in state.entries_in_order()] == [("new", 0)]
+    assert state.lookup("k000") is None
+    state.close_store()
 
 
 _KILLED_MID_LOAD = """
