@@ -900,7 +900,12 @@ class DiskMapState(MapState[K, V]):
             count = 0
             for batch in _batches(stored_entries(chunks, self._codecs)):
                 with env.env.begin(write=True) as txn:
-                    count += txn.cursor(db=env.spare).putmulti(batch)[1]
+                    # Not overwritten: a key named twice (in this batch or an earlier one,
+                    # the spare was emptied first) is refused, as a memory replica refuses it.
+                    consumed, added = txn.cursor(db=env.spare).putmulti(batch, overwrite=False)
+                    if added != consumed:
+                        raise CodecError("a PulsarMap snapshot names a key twice")
+                    count += added
             with self._lock:
                 with env.env.begin(write=True) as txn:
                     txn.put(_ACTIVE, env.spare_name, db=env.meta)

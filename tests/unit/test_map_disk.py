@@ -431,6 +431,14 @@ def snapshot_bytes(keys: list[str]) -> bytes:
     return MapSnapshotCodec(CODECS).encode(memory)
 
 
+def snapshot_of(entries: list[tuple[bytes, bytes]]) -> bytes:
+    """Map snapshot bytes of (key bytes, value bytes) pairs as given, however wrong."""
+    parts = [map_disk._SNAPSHOT_MAGIC, map_disk._SNAPSHOT_HEAD.pack(5, len(entries))]
+    for key, value in entries:
+        parts += [map_disk._SNAPSHOT_ENTRY.pack(1 << 32, len(key), len(value)), key, value]
+    return b"".join(parts)
+
+
 def test_a_snapshot_whose_chunks_fail_or_do_not_parse_leaves_the_store_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -456,6 +464,10 @@ def test_a_snapshot_whose_chunks_fail_or_do_not_parse_leaves_the_store_as_it_was
     bytes_map.load({})
     bytes_map.apply(bytes_codecs.put(b"\xff", 1))
     cases.append(([MapSnapshotCodec(bytes_codecs).encode(bytes_map)], CodecError, "a key"))
+    # A key named twice, in one transaction and in two: refused as the in-memory codec does.
+    many = [(f"k{i:02d}".encode(), b"1") for i in range(20)]
+    for twice in ([(b"a", b"1"), (b"a", b"2")], [*many, (b"k01", b"2")]):
+        cases.append(([snapshot_of(twice)], CodecError, "names a key twice"))
     for chunks, error, message in cases:
         with pytest.raises(error, match=message):
             state.load_snapshot(chunks, LogMark(9, "snap", LogPosition(2, 2)))
