@@ -226,6 +226,14 @@ def _boot_id() -> str:
         return "unknown"
 
 
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _codec_name(codec: Codec[Any]) -> str:
     kind = type(codec)
     return f"{kind.__module__}.{kind.__qualname__}"
@@ -319,11 +327,17 @@ class _Env:
         if path.exists() and not path.is_dir():
             raise LocalStoreError(f"{path} is not a directory: not a PulsarMap store")
         marker = path / MARKER
-        if path.exists() and any(path.iterdir()) and not marker.exists():
-            raise LocalStoreError(
-                f"{path} is not a PulsarMap store (no {MARKER} file) and is not empty: "
-                "refusing to use it (give a new or empty directory)"
-            )
+        if path.exists() and not marker.exists():
+            entries = list(path.iterdir())
+            # The marker's scratch files: what a first open killed before the rename left.
+            leftovers = [entry for entry in entries if entry.name.startswith(f".{MARKER}.")]
+            if len(leftovers) != len(entries):
+                raise LocalStoreError(
+                    f"{path} is not a PulsarMap store (no {MARKER} file) and is not empty: "
+                    "refusing to use it (give a new or empty directory)"
+                )
+            for entry in leftovers:
+                entry.unlink(missing_ok=True)
         if marker.exists():
             try:
                 found = json.loads(marker.read_text())
@@ -338,8 +352,12 @@ class _Env:
         else:
             path.mkdir(parents=True, exist_ok=True)
             scratch = path / f".{MARKER}.{uuid.uuid4().hex}"
-            scratch.write_text(json.dumps({"format": FORMAT}))
+            with scratch.open("w") as file:
+                file.write(json.dumps({"format": FORMAT}))
+                file.flush()
+                os.fsync(file.fileno())  # a machine crash leaves no empty marker
             os.replace(scratch, marker)  # first: from now on the directory is ours
+            _fsync_directory(path)  # and the rename is not lost in a machine crash
         lmdb = _lmdb()
         self._lock(path / _OWNER_LOCK)
         try:

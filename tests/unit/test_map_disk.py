@@ -215,6 +215,23 @@ def test_a_directory_that_is_not_a_store_is_refused_untouched(tmp_path: Path) ->
         open_state(a_file)
 
 
+def test_a_first_open_killed_before_its_marker_was_in_place_leaves_a_store_that_opens(
+    tmp_path: Path,
+) -> None:
+    # Killed between writing the marker's scratch file and renaming it: nothing else is there.
+    scratch = tmp_path / f".{MARKER}.0123abcd"
+    scratch.write_text(json.dumps({"format": FORMAT}))
+    state = open_state(tmp_path)
+    assert not scratch.exists()
+    assert (tmp_path / MARKER).exists()
+    state.close_store()
+    (tmp_path / "other").mkdir()  # the scratch file does not make another directory ours
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    (tmp_path / "other" / scratch.name).write_text("")
+    with pytest.raises(LocalStoreError, match="not a PulsarMap store"):
+        open_state(tmp_path / "other")
+
+
 def test_a_store_of_a_newer_format_is_refused_untouched(tmp_path: Path) -> None:
     open_state(tmp_path).close_store()
     (tmp_path / MARKER).write_text(json.dumps({"format": FORMAT + 1}))
