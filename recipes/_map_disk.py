@@ -192,7 +192,9 @@ class DiskStore:
             topic deleted and created again, another topic, a mark past the tail, other
             codecs, or a machine crash while it was open): ``"error"`` (default) refuses to
             open with :class:`LocalStoreError` and changes nothing; ``"rebuild"`` empties the
-            store and rebuilds it from the newest snapshot and the log.
+            store and rebuilds it from the newest snapshot and the log. The machine-crash
+            check is Linux-only (it reads the boot id in /proc/sys/kernel/random/boot_id):
+            elsewhere a store left open across a machine crash is not detected.
         map_size: LMDB's address space for the store (the largest it may grow to; sparse).
     """
 
