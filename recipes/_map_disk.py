@@ -329,17 +329,17 @@ class _Env:
         if path.exists() and not path.is_dir():
             raise LocalStoreError(f"{path} is not a directory: not a PulsarMap store")
         marker = path / MARKER
-        if path.exists() and not marker.exists():
-            entries = list(path.iterdir())
-            # The marker's scratch files: what a first open killed before the rename left.
-            leftovers = [entry for entry in entries if entry.name.startswith(f".{MARKER}.")]
-            if len(leftovers) != len(entries):
-                raise LocalStoreError(
-                    f"{path} is not a PulsarMap store (no {MARKER} file) and is not empty: "
-                    "refusing to use it (give a new or empty directory)"
-                )
-            for entry in leftovers:
-                entry.unlink(missing_ok=True)
+        # The marker's scratch files do not count: a first open killed before the rename
+        # left one. (Left in place: another process's first open may be renaming its own.)
+        if (
+            path.exists()
+            and not marker.exists()
+            and any(not entry.name.startswith(f".{MARKER}.") for entry in path.iterdir())
+        ):
+            raise LocalStoreError(
+                f"{path} is not a PulsarMap store (no {MARKER} file) and is not empty: "
+                "refusing to use it (give a new or empty directory)"
+            )
         if marker.exists():
             try:
                 found = json.loads(marker.read_text())
