@@ -318,6 +318,8 @@ class _Env:
         self.data: Any = None  # the entries (the active database)
         self.spare: Any = None  # where a snapshot is loaded, then switched to
         self.spare_name = _DATABASES[1]
+        # Whether the store was closed cleanly before this open (open marks it not clean).
+        self.was_clean = True
         self.meta: Any = None
         self._lock_fd: int | None = None
 
@@ -405,6 +407,7 @@ class _Env:
         reason: str | None = None
         if raw is not None:
             info = json.loads(raw)
+            self.was_clean = bool(info.get("clean"))
             if int(info.get("format", 0)) > FORMAT:
                 raise LocalStoreError(
                     f"{self.path} was written by a newer pulsar-state (store format "
@@ -607,9 +610,11 @@ class DiskMapState(MapState[K, V]):
         self._pending_count = self._count
         self.position = 0 if self._mark is None else self._mark.position
 
-    def _reset_or_refuse(self, reason: str) -> None:
+    def _reset_or_refuse(self, reason: str, *, clean: bool = False) -> None:
+        """``clean``: close as cleanly as before this open when refusing (only once the
+        store's own topic and codecs were found to be ours: closing writes them)."""
         if self.config.on_mismatch != "rebuild":
-            self.close_store(clean=False)
+            self.close_store(clean=clean)
             raise LocalStoreError(
                 f"the local store {self.config.path} cannot be used for {self._topic}: "
                 f"{reason}. Nothing was changed; open with DiskStore(..., "
@@ -951,8 +956,10 @@ class DiskMapState(MapState[K, V]):
 
     def refuse_history(self, reason: str) -> None:
         """The stored mark is not of the topic's history: LocalStoreError, or (with
-        ``on_mismatch="rebuild"``) an emptied store."""
-        self._reset_or_refuse(reason)
+        ``on_mismatch="rebuild"``) an emptied store. Refused, it is left marked as cleanly
+        closed as it was before this open (untouched: a machine restart must not then be
+        blamed for it)."""
+        self._reset_or_refuse(reason, clean=self._env.was_clean)
 
 
 class DiskDurability(Generic[K, V]):

@@ -282,6 +282,24 @@ def test_a_store_left_open_across_a_machine_restart_is_not_trusted(tmp_path: Pat
     rebuilt.close_store()
 
 
+def test_a_store_whose_history_is_refused_stays_as_cleanly_closed_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The mark is checked against the log after the store opened (and marked itself open):
+    # refused, it was left "not closed cleanly", so after a machine restart it was refused
+    # for that instead, as if a crash had hit it (review 45a, finding 6).
+    state = open_state(tmp_path)
+    apply_records(state, [[CODECS.put("a", 1)]], 1, commit=True)
+    state.close_store()
+    state = open_state(tmp_path)
+    with pytest.raises(LocalStoreError, match="created again"):
+        state.refuse_history("the topic was deleted and created again")
+    monkeypatch.setattr(map_disk, "_boot_id", lambda: "another-boot")
+    again = open_state(tmp_path)
+    assert again.entries["a"].value == 1
+    again.close_store()
+
+
 def test_one_store_serves_one_process(tmp_path: Path) -> None:
     state = open_state(tmp_path)
     code = (
