@@ -10,6 +10,7 @@ the topic with its position, and keeps following the tail.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import sys
 import threading
 from typing import Any
@@ -24,6 +25,19 @@ __all__ = ["MapHistory", "get_history"]
 #: Changes kept by a history wait in a watch queue until drained: no bound (the history is
 #: what it is); memory is the caller's trade-off, documented on the data source.
 _UNBOUNDED = sys.maxsize
+#: PulsarMap and manager options a history's own map leaves out.
+_SNAPSHOT_OPTIONS = frozenset(
+    {
+        "snapshots",
+        "store",
+        "load_snapshot",
+        "trim_history",
+        "keep_snapshots",
+        "snapshot_every_records",
+        "snapshot_every_bytes",
+        "snapshot_chunk_bytes",
+    }
+)
 
 
 class MapHistory:
@@ -40,9 +54,13 @@ class MapHistory:
         self._events: list[MapEvent[Any, Any]] = []
         self._positions: list[int] = []  # event positions, for bisect
         self._complete_through = 0  # every change at a position <= this is in _events
-        # A map of its own: the spec's snapshots option must stay off (it is never set by a
-        # spec: MapSpec passes manager options, and PulsarMap's snapshots is not one).
-        self._map: SyncPulsarMap[Any, Any] = spec.new_map(portal=portal)
+        # A map of its own, which replays the whole log: none of the spec's snapshot options
+        # (opening from a snapshot skips the history before it, and a map with snapshots
+        # watches only once open) nor its disk store (which the spec's own map holds).
+        whole_log = {k: v for k, v in spec.options.items() if k not in _SNAPSHOT_OPTIONS}
+        self._map: SyncPulsarMap[Any, Any] = dataclasses.replace(spec, options=whole_log).new_map(
+            portal=portal
+        )
         self._watch: MapWatch[Any, Any] = portal.call_sync(
             lambda: self._map.async_map.changes(snapshot=False, max_queue=_UNBOUNDED)
         )

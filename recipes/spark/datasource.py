@@ -47,8 +47,9 @@ makes it exactly once: a restarted query resumes at the committed position. The 
 executors hand their rows to the driver in their commit messages, and the driver's ``commit``
 makes ONE atomic write carrying the sink's marker and the batch id
 (:meth:`recipes.spark.PulsarMapSink.write_rows`): a replayed batch changes nothing, an aborted
-one writes nothing, and a batch too big for one record fails with RecordTooLargeError, never
-split.
+one writes nothing (unless its commit failed with an unknown outcome: then it may have been
+written once, and its re-run is skipped), and a batch too big for one record fails with
+RecordTooLargeError, never split.
 
 Costs: reads at a position and the change feed replay the map's log in each Python worker
 that serves them (once per worker process, then they follow the tail) and keep its changes in
@@ -64,6 +65,7 @@ import base64
 import dataclasses
 import json
 import logging
+import math
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -296,6 +298,9 @@ def _from_json(document: Any) -> DataType:
 
 
 _INTEGRAL = (LongType, IntegerType, ShortType)
+# Each integral type's bits: a value outside them failed in Arrow, naming nothing.
+_BITS = {LongType: 64, IntegerType: 32, ShortType: 16}
+_FLOAT_MAX = 3.4028234663852886e38  # float32's largest finite value: beyond it, Arrow made inf
 
 
 def _checked(cell: Any, data_type: DataType, what: str) -> Any:
@@ -306,10 +311,20 @@ def _checked(cell: Any, data_type: DataType, what: str) -> Any:
     ok: bool
     if isinstance(data_type, _INTEGRAL):
         ok = isinstance(cell, int) and not isinstance(cell, bool)
+        if ok:
+            bits = _BITS[type(data_type)] - 1
+            ok = -(1 << bits) <= cell < 1 << bits
     elif isinstance(data_type, DoubleType | FloatType):
         ok = isinstance(cell, int | float) and not isinstance(cell, bool)
         if ok:
-            cell = float(cell)
+            try:
+                cell = float(cell)
+            except OverflowError:  # an int too large for a double
+                ok = False
+            else:
+                ok = not isinstance(data_type, FloatType) or not (
+                    math.isfinite(cell) and abs(cell) > _FLOAT_MAX
+                )
     elif isinstance(data_type, StringType):
         ok = isinstance(cell, str)
     elif isinstance(data_type, BooleanType):
@@ -430,8 +445,13 @@ class _SnapshotReader(DataSourceReader):  # type: ignore[misc,unused-ignore]
 def _entries_at(spec: MapSpec, part: _KeyRange) -> list[tuple[Any, Any, int]]:
     """The entries of ``part``'s key range as of ``part.position``, in key order."""
 
+    # In the map's own order: an int-keyed map a sink writes to holds str markers too.
+    low = None if part.low is None else _in_map_order(part.low)
+    high = None if part.high is None else _in_map_order(part.high)
+
     def wanted(key: Any) -> bool:
-        return (part.low is None or key >= part.low) and (part.high is None or key < part.high)
+        ordered = _in_map_order(key)
+        return (low is None or ordered >= low) and (high is None or ordered < high)
 
     m = get_map(spec)
     if m.position < part.position:
@@ -447,12 +467,16 @@ def _entries_at(spec: MapSpec, part: _KeyRange) -> list[tuple[Any, Any, int]]:
     return [(k, state[k][0], int(state[k][1])) for k in _sorted(state) if wanted(k)]
 
 
+_KEY_RANK = {int: 0, bytes: 1, str: 2}
+
+
+def _in_map_order(key: Any) -> tuple[int, Any]:
+    """What orders ``key`` among a map's keys of mixed types: ints, then bytes, then str."""
+    return _KEY_RANK[type(key)], key
+
+
 def _sorted(keys: Any) -> list[Any]:
-    try:
-        return sorted(keys)
-    except TypeError:  # mixed key types: the map's own order (ints, bytes, str)
-        rank = {int: 0, bytes: 1, str: 2}
-        return sorted(keys, key=lambda k: (rank[type(k)], k))
+    return sorted(keys, key=_in_map_order)
 
 
 # ----------------------------------------------------------------------- change feed
@@ -605,7 +629,14 @@ class _StreamWriter(DataSourceStreamWriter):  # type: ignore[misc,unused-ignore]
         )
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        logger.warning("sink %s batch %d aborted: nothing written", self.sink_id, batchId)
+        # (Spark also aborts when commit raised: a write whose outcome was unknown may have
+        # landed, and then the batch's re-run is skipped by the marker.)
+        logger.warning(
+            "sink %s batch %d aborted: nothing written by the abort (a commit that failed with "
+            "an unknown outcome may have written the batch; its re-run is then skipped)",
+            self.sink_id,
+            batchId,
+        )
 
     def sink(self) -> PulsarMapSink:
         """The sink whose exactly-once write this writer's commit makes."""

@@ -3,6 +3,7 @@ the change feed resumed from Spark's checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,13 +17,16 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
-from pulsar_state import ConfigurationError, PulsarStateError
+from pulsar_state import ConfigurationError, JsonCodec, PulsarStateError
 from recipes.spark import MapSpec, PulsarMapSink, get_map
 from recipes.spark.datasource import (
     FORMAT,
     PulsarStateDataSource,
     _ChangeFeedReader,
+    _checked,
     _Layout,
+    _parse_value_schema,
+    _SnapshotReader,
     register,
     spark_options,
 )
@@ -220,6 +224,21 @@ def test_batch_read_equals_the_map(session: SparkSession, spec: MapSpec) -> None
     assert "__sink__/job" in {r.key for r in with_markers}
 
 
+def test_a_partitioned_read_of_an_int_keyed_map_with_a_sink_marker(spec: MapSpec) -> None:
+    # A sink's marker is a str key, so an int-keyed map it writes to has keys of two types:
+    # before, each partition compared them with < and failed with TypeError (review 45c F2).
+    ints = dataclasses.replace(spec, key_codec=JsonCodec())
+    m = get_map(ints)
+    m.put_all({i: i * 10 for i in range(6)})
+    PulsarMapSink(ints, "job").write_rows([(6, 60)], 0)
+    reader = _SnapshotReader(ints, _Layout.of({"key_type": "long", "value_schema": "long"}), {})
+    for partitions in (2, 3):
+        reader.partition_count = partitions
+        parts = reader.partitions()
+        rows = [row[:2] for part in parts for row in reader.read(part)]
+        assert rows == [(i, i * 10) for i in range(7)]
+
+
 def test_at_position_equals_the_state_replayed_to_that_position(
     session: SparkSession, spec: MapSpec
 ) -> None:
@@ -251,6 +270,33 @@ def test_at_position_equals_the_state_replayed_to_that_position(
             assert all(r.version >> 32 <= position for r in rows)
     with pytest.raises(Exception, match=r"at_position 6 is beyond the map's tail \(5 records\)"):
         read_map(session, spec, at_position=6).collect()
+
+
+@pytest.mark.parametrize(
+    ("cell", "ddl"),
+    [
+        (2**63, "long"),
+        (-(2**63) - 1, "long"),
+        (2**31, "int"),
+        (-(2**15) - 1, "short"),
+        (1e300, "float"),
+        (-1e39, "float"),
+        (10**400, "double"),
+    ],
+)
+def test_a_number_out_of_its_type_s_range_fails_clearly(cell: Any, ddl: str) -> None:
+    # Before: accepted here, then Arrow failed naming neither key nor field ("too large to
+    # fit in C integer type"), or a float column silently held inf (review 45c F4).
+    with pytest.raises(ConfigurationError, match="which does not fit the declared type"):
+        _checked(cell, _parse_value_schema(ddl), "the value of 'k'")
+
+
+def test_numbers_at_the_edges_of_their_types_fit() -> None:
+    for cell, ddl in [(2**63 - 1, "long"), (-(2**31), "int"), (2**15 - 1, "short")]:
+        assert _checked(cell, _parse_value_schema(ddl), "v") == cell
+    assert _checked(3.4e38, _parse_value_schema("float"), "v") == 3.4e38
+    assert _checked(float("inf"), _parse_value_schema("float"), "v") == float("inf")
+    assert _checked(float("nan"), _parse_value_schema("double"), "v") != 0
 
 
 def test_a_value_of_the_wrong_type_fails_clearly(session: SparkSession, spec: MapSpec) -> None:
@@ -465,6 +511,22 @@ def test_a_change_feed_batch_runs_from_where_it_was_planned(spec: MapSpec, start
     after = reader.latestOffset(end, None)
     [partition] = reader.partitions(end, after)
     assert [(row[1], row[2]) for row in reader.read(partition)] == [("put", "d")]
+
+
+def test_the_change_feed_of_a_spec_with_snapshots_replays_the_whole_log(spec: MapSpec) -> None:
+    # Before: the history's map took the spec's snapshots option, and a map with snapshots
+    # watches only once open: every change feed and position read failed with ClosedError
+    # "not open" (review 45c F3).
+    snapshotted = spec.with_options(snapshots=True)
+    m = get_map(snapshotted)
+    first = m.put_all({"a": 1, "b": 2})
+    m.snapshot()
+    second = m.put("a", 3).position
+    reader = _ChangeFeedReader(snapshotted, _Layout.of({}), {"starting_position": "earliest"})
+    start = reader.initialOffset()
+    [partition] = reader.partitions(start, reader.latestOffset(start, None))
+    rows = [(row[0], row[1], row[2]) for row in reader.read(partition)]
+    assert rows == [(first, "put", "a"), (first, "put", "b"), (second, "put", "a")]
 
 
 def test_a_change_feed_batch_whose_start_is_past_its_end_fails_clearly(spec: MapSpec) -> None:
