@@ -371,6 +371,40 @@ class AdminClient:
         last = max(earlier, key=lambda ledger: int(ledger["ledgerId"]))
         return LogPosition(int(last["ledgerId"]), int(last["entries"]) - 1)
 
+    async def _backlog_quotas(
+        self, topic: TopicName, policy: Callable[[str, str], Awaitable[Any]]
+    ) -> list[tuple[str, str, dict[str, Any]]]:
+        """The topic's limited backlog quotas: (kind, policy, quota) each."""
+        quotas = (
+            await policy("backlog quotas", topic.rest_path + "/backlogQuotaMap?applied=true") or {}
+        )
+        return [
+            (kind, str(quota.get("policy", "")).lower(), quota)
+            for kind, quota in quotas.items()
+            # ("limit": the size's older name)
+            if int(quota.get("limitSize", quota.get("limit", -1))) >= 0
+            or int(quota.get("limitTime", -1)) >= 0
+        ]
+
+    async def _check_backlog_quotas(
+        self, topic: TopicName, policy: Callable[[str, str], Awaitable[Any]]
+    ) -> None:
+        """Without trimming, the library's durable subscription never moves from the topic's
+        first message: the whole history is its backlog, which grows for ever. A quota that
+        holds or refuses producers would stop every write once the history passed it
+        (measured: the writer's producer refused with ProducerBlockedQuotaExceededException).
+        One that evicts the backlog only moves that subscription, which holds nothing here."""
+        for kind, action, quota in await self._backlog_quotas(topic, policy):
+            if action in ("producer_request_hold", "producer_exception"):
+                raise UnsafeTopicPolicyError(
+                    f"{topic} has a {kind} backlog quota with {action} ({quota}): the library's "
+                    f"subscription {TAIL_SUBSCRIPTION!r} keeps the whole history as its backlog "
+                    "(it moves only with trim_history), so writes would stop once the history "
+                    "passed the quota. Remove the quota on the topic and its namespace, or "
+                    "use trim_history",
+                    topic=str(topic),
+                )
+
     async def _check_trim_point(
         self, topic: TopicName, policy: Callable[[str, str], Awaitable[Any]]
     ) -> None:
@@ -391,13 +425,8 @@ class AdminClient:
                 "history that replicas still need. Remove the TTL on the topic and namespace",
                 topic=str(topic),
             )
-        quotas = (
-            await policy("backlog quotas", topic.rest_path + "/backlogQuotaMap?applied=true") or {}
-        )
-        for kind, quota in quotas.items():
-            evicts = str(quota.get("policy", "")).lower() == "consumer_backlog_eviction"
-            limited = int(quota.get("limitSize", -1)) >= 0 or int(quota.get("limitTime", -1)) >= 0
-            if evicts and limited:
+        for kind, action, _quota in await self._backlog_quotas(topic, policy):
+            if action == "consumer_backlog_eviction":
                 raise UnsafeTopicPolicyError(
                     f"{topic} has a {kind} backlog quota with consumer_backlog_eviction: it "
                     "would move the trim point past history that replicas still need",
@@ -490,7 +519,9 @@ class AdminClient:
         retention = await policy("retention", topic.rest_path + "/retention?applied=true")
         if trimmed:
             await self._check_trim_point(topic, policy)
-        elif "retention" not in unchecked:
+        else:
+            await self._check_backlog_quotas(topic, policy)
+        if not trimmed and "retention" not in unchecked:
             retention = retention or {}
             minutes = int(retention.get("retentionTimeInMinutes", 0))
             size_mb = int(retention.get("retentionSizeInMB", 0))

@@ -332,6 +332,41 @@ async def test_topic_with_compaction_is_refused(
             pass
 
 
+async def set_backlog_quota(admin_url: str, topic: str, action: str) -> None:
+    quota = {"limitSize": 10_000_000, "limitTime": -1, "policy": action}
+    admin_request(admin_url, "PUT", rest_path(topic))
+    path = rest_path(topic) + "/backlogQuota?backlogQuotaType=destination_storage"
+    admin_request(admin_url, "POST", path, quota)
+    applied = rest_path(topic) + "/backlogQuotaMap?applied=true"
+    for _ in range(100):  # topic policies apply after a short delay
+        if admin_request(admin_url, "GET", applied)["destination_storage"]["policy"] == action:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the backlog quota never became {action}")
+
+
+@pytest.mark.parametrize("action", ["producer_exception", "producer_request_hold"])
+async def test_a_backlog_quota_that_would_stop_writes_is_refused(
+    service_url: str, admin_url: str, topic: str, action: str
+) -> None:
+    # The library's subscription keeps the whole history as backlog without trim_history:
+    # measured, once it passed a 20 kB quota with producer_exception every write timed out
+    # (ProducerBlockedQuotaExceededException). Before, such a topic opened (review 45d F2).
+    await set_backlog_quota(admin_url, topic, action)
+    with pytest.raises(UnsafeTopicPolicyError, match=f"backlog quota with {action}"):
+        async with counter_manager(service_url, topic, admin_url):
+            pass
+
+
+async def test_a_backlog_quota_that_evicts_is_accepted_without_trimming(
+    service_url: str, admin_url: str, topic: str
+) -> None:
+    # It only moves the library's subscription, which holds nothing without trim_history.
+    await set_backlog_quota(admin_url, topic, "consumer_backlog_eviction")
+    async with counter_manager(service_url, topic, admin_url) as manager:
+        await manager.write(lambda s: [incr()])
+
+
 async def test_in_place_apply_with_copy_state_none_is_caught(
     service_url: str, admin_url: str, topic: str
 ) -> None:
