@@ -58,10 +58,12 @@ if sys.platform == "linux":
 __all__ = [
     "LogPosition",
     "PulsarConnection",
+    "READER_STALL_MAX_S",
     "READER_STALL_S",
     "RawMessage",
     "RelayChannel",
     "ReopeningReader",
+    "StallLimit",
     "StateReader",
     "StateWriter",
     "TAIL_SUBSCRIPTION",
@@ -727,7 +729,8 @@ class StateReader:
             except Exception as exc:
                 if not self._stop.is_set():
                     self._error = translate(exc, f"read from {self._topic}")
-                    self._loop.call_soon_threadsafe(self._ready.set)
+                    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads
+                        self._loop.call_soon_threadsafe(self._ready.set)
                 return
             mid = msg.message_id()
             # The key is not read: the pump has no use for it, and each call crosses into C++.
@@ -897,13 +900,36 @@ class StateReader:
 
 
 # A reader expected to deliver (the log holds more) that delivers nothing for this long is
-# taken for one the broker attached to a closed topic, and replaced (see ReopeningReader).
+# taken for one the broker attached to a closed topic, and replaced (see ReopeningReader);
+# doubled after each replacement that brought nothing, up to READER_STALL_MAX_S.
 READER_STALL_S = 5.0
+READER_STALL_MAX_S = 60.0
+
+
+class StallLimit:
+    """How long a reader expected to deliver may deliver nothing before it is replaced.
+
+    :data:`READER_STALL_S`, doubled after each replacement that brought nothing (up to
+    :data:`READER_STALL_MAX_S`), and back once a message comes: with a fixed limit, a reader
+    whose first message is merely slow (a cold ledger, an offloaded one, a big chunk) was
+    replaced again and again, each replacement starting the same slow read.
+    """
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds = READER_STALL_S
+
+    def replaced(self) -> None:
+        self.seconds = min(self.seconds * 2, READER_STALL_MAX_S)
+
+    def delivered(self) -> None:
+        self.seconds = READER_STALL_S
 
 
 class ReopeningReader:
     """Reads one topic message by message from a start, replacing its reader when it
-    delivers nothing for :data:`READER_STALL_S`: a reader subscribed while the topic unloads
+    delivers nothing for a while (:class:`StallLimit`): a reader subscribed while the topic unloads
     can stay attached to the closed topic, where no message ever comes (measured: about 1
     reader in 700 opened during unloads). The replacement starts just after the last message
     delivered (or where the first began), so nothing is skipped or read twice.
@@ -929,6 +955,7 @@ class ReopeningReader:
         self._reader: StateReader | None = None
         self._closing: set[asyncio.Future[None]] = set()  # stalled readers being closed
         self.reopened = 0  # readers replaced after a stall (tests, logs)
+        self._stall = StallLimit()
 
     async def open(self) -> ReopeningReader:
         """Create the first reader (apart, so that callers bound the reads only, as before)."""
@@ -946,23 +973,25 @@ class ReopeningReader:
             await self.open()
             assert self._reader is not None
             try:
-                async with asyncio.timeout(READER_STALL_S):
+                async with asyncio.timeout(self._stall.seconds):
                     message = await self._reader.read_next()
             except TimeoutError:
                 logger.info(
                     "no message from %s for %.0fs after %s: reopening the reader",
                     self._topic,
-                    READER_STALL_S,
+                    self._stall.seconds,
                     self._last or self._at or "its start",
                 )
                 stalled, self._reader = self._reader, None
                 self.reopened += 1
+                self._stall.replaced()
                 # Closed meanwhile, not first: a reader stuck on a closed topic may be slow
                 # to close (up to _CLOSE_TIMEOUT_S), time the caller's wait has not to spare.
                 closing = asyncio.ensure_future(stalled.close())
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
                 continue
+            self._stall.delivered()
             if self._last is not None and message.position <= self._last:
                 continue  # (a start is exclusive, so never: but a chunk read twice is corrupt)
             self._last = message.position
@@ -1260,7 +1289,7 @@ class PulsarConnection:
         )
         try:
             with translate_errors(f"acquire the writer of {topic}", creating_writer=True):
-                producer = await asyncio.wait_for(asyncio.shield(creation), timeout_s)
+                producer = await wait_bounded(asyncio.shield(creation), timeout_s)
         except (OperationTimeoutError, asyncio.CancelledError):
             # Creation can hang while the broker fails (apache/pulsar #10721), or the manager
             # closes meanwhile. If it succeeds later, close that producer at once: an orphan

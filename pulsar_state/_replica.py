@@ -32,7 +32,14 @@ from ._errors import (
     ReplicaHaltedError,
 )
 from ._machine import StateMachine, identical
-from ._pulsar import READER_STALL_S, LogPosition, PulsarConnection, RawMessage, StateReader
+from ._pulsar import (
+    LogPosition,
+    PulsarConnection,
+    RawMessage,
+    StallLimit,
+    StateReader,
+    wait_bounded,
+)
 from ._records import Adoption
 from ._retry import is_transient, retry_transient
 from ._telemetry import observe_apply
@@ -164,6 +171,7 @@ class Replica(Generic[S, Op]):
         self.holds_message: Callable[[LogPosition], Awaitable[bool]] | None = None
         self._behind: tuple[Record, LogPosition] | None = None
         self._falling_forward = False  # loading a snapshot: no reads meanwhile, no stall
+        self._stall = StallLimit()  # (wait_log_watched)
         # Set for a state that stores itself (``durable_state``): each record is committed.
         self.durable: DurableState[S] | None = None
         # The id of this history's first record (None until known): names the history in
@@ -323,7 +331,7 @@ class Replica(Generic[S, Op]):
             await asyncio.wait({replacing}, timeout=timeout)
         if self._reader is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reader.close(), timeout)
+                await wait_bounded(self._reader.close(), timeout)
 
     async def pump(self) -> None:
         """Read and apply until closed or halted. Never ends with an exception nobody reads:
@@ -881,10 +889,10 @@ class Replica(Generic[S, Op]):
         await self.log_waiter(target)
 
     async def wait_log_watched(self, target: LogPosition | None) -> None:
-        """:meth:`wait_log`, reopening the reader when nothing at all is read for
-        :data:`READER_STALL_S` while the log holds more: the broker can leave a reader subscribed
-        during a topic unload attached to the closed topic, where no message ever comes
-        (measured: 1 in about 700 readers opened during unloads)."""
+        """:meth:`wait_log`, reopening the reader when nothing at all is read for a while
+        (:class:`~._pulsar.StallLimit`) while the log holds more: the broker can leave a reader
+        subscribed during a topic unload attached to the closed topic, where no message ever
+        comes (measured: 1 in about 700 readers opened during unloads)."""
         if target is None or self.reached(target):
             self.check_running()
             return
@@ -894,7 +902,10 @@ class Replica(Generic[S, Op]):
                 # The same reader having read nothing for a whole wait: one replaced meanwhile
                 # (by the pump, a fall-forward) has not had its chance yet.
                 seen, reader = self._stats.records_read, self._reader
-                done, _ = await asyncio.wait({waiting}, timeout=READER_STALL_S)
+                stall = self._stall.seconds
+                done, _ = await asyncio.wait({waiting}, timeout=stall)
+                if self._stats.records_read != seen:
+                    self._stall.delivered()
                 if done:
                     return waiting.result()
                 if (
@@ -909,11 +920,12 @@ class Replica(Generic[S, Op]):
                         "no message from %s for %.0fs while its tail is at %s and this "
                         "replica at %s: reopening the reader",
                         self._topic,
-                        READER_STALL_S,
+                        stall,
                         target,
                         self.read_to,
                     )
-                    reader.abandon(f"no message for {READER_STALL_S:.0f}s while behind the tail")
+                    reader.abandon(f"no message for {stall:.0f}s while behind the tail")
+                    self._stall.replaced()
         finally:
             waiting.cancel()
 
@@ -940,7 +952,7 @@ class Replica(Generic[S, Op]):
                 target = await tail()
                 if target is None or self.reached(target):
                     continue
-                async with asyncio.timeout(READER_STALL_S + _WATCH_S):
+                async with asyncio.timeout(self._stall.seconds + _WATCH_S):
                     await self.wait_log_watched(target)
             except (PulsarStateError, TimeoutError) as exc:
                 # Closed, halted (the loop ends) or the broker away: the next look tries again.

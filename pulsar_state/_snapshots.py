@@ -49,7 +49,14 @@ from ._errors import (
     PulsarStateError,
     WriterBusyError,
 )
-from ._pulsar import LogPosition, PulsarConnection, ReopeningReader, StateWriter, TailProbe
+from ._pulsar import (
+    LogPosition,
+    PulsarConnection,
+    ReopeningReader,
+    StateWriter,
+    TailProbe,
+    wait_bounded,
+)
 from ._replica import Replica
 from ._retry import is_transient
 
@@ -1218,7 +1225,7 @@ class SnapshotPolicy(Generic[S]):
         running = [task for task in (self._task, self._checking) if task is not None]
         if running:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(asyncio.gather(*running)), timeout)
+                await wait_bounded(asyncio.shield(asyncio.gather(*running)), timeout)
 
     async def cancel(self) -> None:
         """Stop the automatic snapshot and the determinism check; wait for snapshots taken by

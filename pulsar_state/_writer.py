@@ -48,7 +48,7 @@ from ._errors import (
     callback_error,
 )
 from ._pending import PendingWrite, PendingWrites
-from ._pulsar import LogPosition, PulsarConnection, StateWriter
+from ._pulsar import LogPosition, PulsarConnection, StateWriter, wait_bounded
 from ._records import Adoption, OutgoingRecord, RecordBuilder
 from ._relay import TURN_REQUEST, Relay, is_release_notice, release_notice
 from ._retry import backoff, is_transient, retry_transient
@@ -893,7 +893,7 @@ class Writer:
     async def _bounded(self, awaitable: Awaitable[None], what: str) -> None:
         timeout = self._settings.write_timeout_s
         try:
-            await asyncio.wait_for(awaitable, timeout)
+            await wait_bounded(awaitable, timeout)  # (wait_for may swallow a cancellation)
         except TimeoutError as exc:
             raise OperationTimeoutError(f"{what} on {self._topic} took over {timeout}s") from exc
 
