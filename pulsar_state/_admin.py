@@ -274,6 +274,14 @@ class AdminClient:
             moved = urllib.parse.urlsplit(
                 urllib.parse.urljoin(f"{scheme}://{netloc}{target}", location)
             )
+            if scheme == "https" and moved.scheme != "https" and set(headers) - {"Accept"}:
+                # Credentials asked for over TLS are never sent in the clear.
+                raise ConfigurationError(
+                    f"admin GET {path}: the broker at {self.admin_url} redirected to "
+                    f"{moved.scheme}://{moved.netloc}, without TLS; the credentials are not "
+                    "sent there. Have the brokers advertise their https web service "
+                    "(webServicePortTls) to each other"
+                )
             scheme, netloc = moved.scheme, moved.netloc
             target = _with_authoritative(
                 urllib.parse.urlunsplit(("", "", moved.path, moved.query, ""))

@@ -12,6 +12,7 @@ import http.server
 import json
 import logging
 import os
+import ssl
 import subprocess
 import sys
 import threading
@@ -28,7 +29,7 @@ from pulsar_state._admin import AdminClient, TopicName
 from pulsar_state.testing import admin_request
 from recipes import Ownership, PulsarMap
 from recipes.spark import MapSpec, close_maps, get_map
-from tests.secured.conftest import SecuredBroker
+from tests.secured.conftest import SecuredBroker, make_certificate
 
 pytestmark = pytest.mark.slow
 
@@ -403,3 +404,41 @@ async def test_redirects_are_bounded(
         await admin.close()
     assert caught.value.retriable  # ownership moving: a later call may land
     assert len(redirector.seen) == 6  # the request and five hops
+
+
+async def test_a_redirect_from_https_to_plain_http_is_not_followed_with_credentials(
+    secured_broker: SecuredBroker, redirector: type[_Redirector], tmp_path: Path
+) -> None:
+    # Before: the token asked for over TLS went to whatever a Location named, plain HTTP
+    # included (a broker advertising its http web service; review 45d).
+    cert, key = make_certificate(tmp_path)
+    plain = redirector.url
+
+    class Downgrade(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(307)
+            self.send_header("Location", plain + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Downgrade)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    admin = AdminClient(
+        f"https://127.0.0.1:{server.server_address[1]}",
+        token=secured_broker.app_token,
+        ssl_context=ssl.create_default_context(cafile=str(cert)),
+    )
+    try:
+        with pytest.raises(ConfigurationError, match="without TLS; the credentials are not"):
+            await admin.get("/admin/v2/persistent/public/default/t/lastMessageId")
+    finally:
+        await admin.close()
+        server.shutdown()
+        server.server_close()
+    assert redirector.seen == []  # nothing reached the plain server
