@@ -205,12 +205,30 @@ class _ClientLogPipe:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        read_fd, self._write_fd = os.pipe()
+        self._read_fd, self._write_fd = os.pipe()
         if sys.platform == "linux":
             with contextlib.suppress(OSError):
                 fcntl.fcntl(self._write_fd, fcntl.F_SETPIPE_SZ, self._PIPE_BYTES)
         threading.Thread(
-            target=self._forward, args=(read_fd,), name="pulsar-state-client-log", daemon=True
+            target=self._forward, args=(self._read_fd,), name="pulsar-state-client-log", daemon=True
+        ).start()
+
+    def follow_into_child(self) -> None:
+        """In a forked child about to open a client: the C++ client keeps the logger of the
+        process's first client, the parent's, so the child's clients write into this very
+        pipe. The parent reads it while it lives (the child's lines are logged there); once
+        it is gone, this process does. Else nobody would, and once the pipe filled every
+        client thread that logs would block (measured: a child's producer creation hung)."""
+        parent, self.pid = self.pid, os.getpid()
+        read_fd = self._read_fd
+
+        def drain_once_orphaned() -> None:
+            while os.getppid() == parent:  # (two readers would split lines between them)
+                time.sleep(1.0)
+            self._forward(read_fd)
+
+        threading.Thread(
+            target=drain_once_orphaned, name="pulsar-state-client-log", daemon=True
         ).start()
 
     @property
@@ -249,8 +267,10 @@ def _client_log_option() -> Any:
     if not os.path.isdir("/dev/fd"):  # no pipe path to give the C++ logger (Windows)
         return pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn)
     with _log_pipe_lock:
-        if _log_pipe is None or _log_pipe.pid != os.getpid():  # a forked child needs its own
+        if _log_pipe is None:
             _log_pipe = _ClientLogPipe()
+        elif _log_pipe.pid != os.getpid():
+            _log_pipe.follow_into_child()
         path = _log_pipe.path
     level = _client_logger.getEffectiveLevel()
     if level <= logging.DEBUG:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -142,3 +144,39 @@ async def test_a_reader_whose_first_message_is_slow_is_given_longer_each_time(
     assert limit.seconds == _pulsar.READER_STALL_MAX_S
     limit.delivered()
     assert limit.seconds == 0.2
+
+
+_FORKED_CHILD = """
+import logging, os, threading, time
+import pulsar_state._pulsar as P
+logging.getLogger("pulsar_state.client").disabled = True  # (the lines below are filler)
+P.PulsarConnection("pulsar://127.0.0.1:1", operation_timeout_s=1)
+first_logger = P._log_pipe.path  # where the C++ client logs, for good
+parent = os.getpid()
+if os.fork():
+    os._exit(0)  # the parent goes at once
+while os.getppid() == parent:
+    time.sleep(0.05)
+P.PulsarConnection("pulsar://127.0.0.1:1", operation_timeout_s=1)
+done = threading.Event()
+
+def log_a_lot():  # as the C++ client does, into the logger of the first client (the parent's)
+    with open(first_logger, "w") as log:
+        log.write(("x" * 99 + "\\n") * 30_000)
+    done.set()
+
+threading.Thread(target=log_a_lot, daemon=True).start()
+print("drained" if done.wait(20) else "blocked", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_forked_child_outliving_its_parent_drains_the_client_log_pipe() -> None:
+    # The C++ client keeps the first client's logger: a forked child's clients log into the
+    # parent's pipe. Once the parent was gone nobody read it, and when it filled (3 MB here;
+    # 17 min of an outage's warnings) every client thread that logs blocked (review 45d F1).
+    # No broker: the clients point at a closed port and are never used.
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKED_CHILD], capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "drained", out.stdout + out.stderr[-2000:]
