@@ -372,14 +372,16 @@ class MapCodecs(Generic[K, V]):
     def put(self, key: K, value: V, *, tag: bytes | None = None) -> MapOp[K, V]:
         """A PUT op from caller input (both normalised here, so bad input fails now)."""
         norm_key, key_bytes = self.key(key)
-        norm_value, value_bytes = self.value(value)
-        return MapOp("PUT", norm_key, norm_value, key_bytes, value_bytes, tag)
+        return self.put_known(norm_key, key_bytes, value, tag=tag)
 
     def put_known(
         self, key: K, key_bytes: bytes, value: V, *, tag: bytes | None = None
     ) -> MapOp[K, V]:
         """A PUT op for a key already normalised (with its bytes)."""
-        norm_value, value_bytes = self.value(value)
+        try:
+            norm_value, value_bytes = self.value(value)
+        except CodecError as exc:  # named: one bad value among a batch's (a Spark sink's)
+            raise CodecError(f"the value of key {key!r}: {exc}") from exc
         return MapOp("PUT", key, norm_value, key_bytes, value_bytes, tag)
 
 
