@@ -25,8 +25,8 @@ Options (all strings, as Spark passes them):
 * Reads: ``key_type`` (``string``, default; ``long``; ``binary``), ``value_schema`` (a DDL type:
   none gives the value as JSON text; a struct such as ``"flights LONG, delayed LONG"`` gives
   one column per field; any other type one typed ``value`` column; a value that does not fit
-  fails the read with a clear error), ``include_markers`` (``false``: sink markers are left
-  out).
+  fails the read with a clear error), ``include_markers`` (``false``: the map's protected
+  keys, sink markers and fences, are left out).
 * Batch reads: ``at_position`` (default: the tail when the read is planned), ``partitions``
   (key ranges, default 1; every partition reads the same position).
 * Change feed: ``change_feed=true`` (needed: Spark asks a source for one schema before it
@@ -94,9 +94,10 @@ from pyspark.sql.types import (
 )
 
 from pulsar_state import ConfigurationError, PulsarStateError
+from recipes.map import PROTECTED_PREFIXES
 
 from ._history import get_history
-from ._sink import SINK_MARKER_PREFIX, PulsarMapSink, SinkMode, combine_rows
+from ._sink import PulsarMapSink, SinkMode, combine_rows
 from ._specs import MapSpec, get_map
 
 if TYPE_CHECKING:
@@ -210,8 +211,9 @@ class _Layout:
         return [StructField("value", self.value_schema, True)]
 
     def keep(self, key: Any) -> bool:
+        # The map's bookkeeping: sink markers, and the fences of recipes.fencing.
         return self.include_markers or not (
-            isinstance(key, str) and key.startswith(SINK_MARKER_PREFIX)
+            isinstance(key, str) and key.startswith(PROTECTED_PREFIXES)
         )
 
     def key_cell(self, key: Any) -> Any:
