@@ -399,18 +399,24 @@ class AdminClient:
     ) -> None:
         """Without trimming, the library's durable subscription never moves from the topic's
         first message: the whole history is its backlog, which grows for ever. A quota that
-        holds or refuses producers would stop every write once the history passed it
-        (measured: the writer's producer refused with ProducerBlockedQuotaExceededException).
-        One that evicts the backlog only moves that subscription, which holds nothing here."""
+        holds or refuses producers stops every write once the history passes it (measured:
+        the writer's producer refused with ProducerBlockedQuotaExceededException): a WARNING
+        at open, not a refusal (a namespace's quota may be far above what the topic will
+        ever hold). One that evicts the backlog only moves that subscription, which holds
+        nothing here."""
         for kind, action, quota in await self._backlog_quotas(topic, policy):
             if action in ("producer_request_hold", "producer_exception"):
-                raise UnsafeTopicPolicyError(
-                    f"{topic} has a {kind} backlog quota with {action} ({quota}): the library's "
-                    f"subscription {TAIL_SUBSCRIPTION!r} keeps the whole history as its backlog "
-                    "(it moves only with trim_history), so writes would stop once the history "
-                    "passed the quota. Remove the quota on the topic and its namespace, or "
-                    "use trim_history",
-                    topic=str(topic),
+                logger.warning(
+                    "%s has a %s backlog quota with %s (%s): the library's subscription %r "
+                    "keeps the whole history as its backlog (it moves only with trim_history), "
+                    "so every write will fail once the history passes the quota. Remove the "
+                    "quota for this topic (pulsar-admin topics remove-backlog-quota) or use "
+                    "trim_history",
+                    topic,
+                    kind,
+                    action,
+                    quota,
+                    TAIL_SUBSCRIPTION,
                 )
 
     async def _check_trim_point(

@@ -930,21 +930,26 @@ class StallLimit:
     """How long a reader expected to deliver may deliver nothing before it is replaced.
 
     :data:`READER_STALL_S`, doubled after each replacement that brought nothing (up to
-    :data:`READER_STALL_MAX_S`), and back once a message comes: with a fixed limit, a reader
-    whose first message is merely slow (a cold ledger, an offloaded one, a big chunk) was
-    replaced again and again, each replacement starting the same slow read.
+    :data:`READER_STALL_MAX_S`), and back once a message was read since: with a fixed limit,
+    a reader whose first message is merely slow (a cold ledger, an offloaded one, a big
+    chunk) was replaced again and again, each replacement starting the same slow read.
+    ``read``: a count of the messages read so far (by whoever reads them).
     """
 
-    __slots__ = ("seconds",)
+    __slots__ = ("_read_at_replacement", "_seconds")
 
     def __init__(self) -> None:
-        self.seconds = READER_STALL_S
+        self._seconds = READER_STALL_S
+        self._read_at_replacement: int | None = None
 
-    def replaced(self) -> None:
-        self.seconds = min(self.seconds * 2, READER_STALL_MAX_S)
+    def seconds(self, read: int) -> float:
+        if read != self._read_at_replacement:
+            self._seconds = READER_STALL_S
+        return self._seconds
 
-    def delivered(self) -> None:
-        self.seconds = READER_STALL_S
+    def replaced(self, read: int) -> None:
+        self._seconds = min(self.seconds(read) * 2, READER_STALL_MAX_S)
+        self._read_at_replacement = read
 
 
 class ReopeningReader:
@@ -975,6 +980,7 @@ class ReopeningReader:
         self._reader: StateReader | None = None
         self._closing: set[asyncio.Future[None]] = set()  # stalled readers being closed
         self.reopened = 0  # readers replaced after a stall (tests, logs)
+        self._read = 0
         self._stall = StallLimit()
 
     async def open(self) -> ReopeningReader:
@@ -992,26 +998,27 @@ class ReopeningReader:
         while True:
             await self.open()
             assert self._reader is not None
+            stall = self._stall.seconds(self._read)
             try:
-                async with asyncio.timeout(self._stall.seconds):
+                async with asyncio.timeout(stall):
                     message = await self._reader.read_next()
             except TimeoutError:
                 logger.info(
                     "no message from %s for %.0fs after %s: reopening the reader",
                     self._topic,
-                    self._stall.seconds,
+                    stall,
                     self._last or self._at or "its start",
                 )
                 stalled, self._reader = self._reader, None
                 self.reopened += 1
-                self._stall.replaced()
+                self._stall.replaced(self._read)
                 # Closed meanwhile, not first: a reader stuck on a closed topic may be slow
                 # to close (up to _CLOSE_TIMEOUT_S), time the caller's wait has not to spare.
                 closing = asyncio.ensure_future(stalled.close())
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
                 continue
-            self._stall.delivered()
+            self._read += 1
             if self._last is not None and message.position <= self._last:
                 continue  # (a start is exclusive, so never: but a chunk read twice is corrupt)
             self._last = message.position

@@ -902,10 +902,8 @@ class Replica(Generic[S, Op]):
                 # The same reader having read nothing for a whole wait: one replaced meanwhile
                 # (by the pump, a fall-forward) has not had its chance yet.
                 seen, reader = self._stats.records_read, self._reader
-                stall = self._stall.seconds
+                stall = self._stall.seconds(seen)
                 done, _ = await asyncio.wait({waiting}, timeout=stall)
-                if self._stats.records_read != seen:
-                    self._stall.delivered()
                 if done:
                     return waiting.result()
                 if (
@@ -925,7 +923,7 @@ class Replica(Generic[S, Op]):
                         self.read_to,
                     )
                     reader.abandon(f"no message for {stall:.0f}s while behind the tail")
-                    self._stall.replaced()
+                    self._stall.replaced(seen)
         finally:
             waiting.cancel()
 
@@ -952,7 +950,7 @@ class Replica(Generic[S, Op]):
                 target = await tail()
                 if target is None or self.reached(target):
                     continue
-                async with asyncio.timeout(self._stall.seconds + _WATCH_S):
+                async with asyncio.timeout(self._stall.seconds(seen) + _WATCH_S):
                     await self.wait_log_watched(target)
             except (PulsarStateError, TimeoutError) as exc:
                 # Closed, halted (the loop ends) or the broker away: the next look tries again.

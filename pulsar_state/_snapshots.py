@@ -772,10 +772,16 @@ class SnapshotPolicy(Generic[S]):
         """Load the newest snapshot that checks out; older ones are fallbacks. True if one was.
         ``patient``: wait for the log as long as for any read before calling a message absent."""
         # By position, newest first (ties: the one written last): a lagging or slow process
-        # may write a snapshot of an older position after a newer one.
+        # may write a snapshot of an older position after a newer one. That among the
+        # snapshots of the history of the one written last; the others (a topic deleted and
+        # created again writes after its old snapshots) after them, the last written first.
+        written = await self._store.manifests()
+        origin = written[-1].log_origin if written else None
         manifests = sorted(
-            reversed(await self._store.manifests()), key=lambda m: m.position, reverse=True
-        )
+            (m for m in reversed(written) if m.log_origin == origin),
+            key=lambda m: m.position,
+            reverse=True,
+        ) + [m for m in reversed(written) if m.log_origin != origin]
         if manifests and not load:
             self._to_verify = manifests[0]
             return False
@@ -1010,12 +1016,13 @@ class SnapshotPolicy(Generic[S]):
             manifest.digest[:16],
         )
 
-    async def take(self, timeout: float) -> SnapshotManifest:
-        """Write a snapshot of the state as it is now."""
+    async def take(self, timeout: float, *, trim_timeout: float | None = None) -> SnapshotManifest:
+        """Write a snapshot of the state as it is now. The trim after it (``trim_history``)
+        runs within ``timeout`` too, unless given ``trim_timeout`` of its own."""
         taking = asyncio.get_running_loop().create_future()
         self._takes.add(taking)
         try:
-            return await self._take(timeout)
+            return await self._take(timeout, trim_timeout)
         finally:
             self._takes.discard(taking)
             taking.set_result(None)
@@ -1031,7 +1038,7 @@ class SnapshotPolicy(Generic[S]):
         finally:
             close_iterator(parts)
 
-    async def _take(self, timeout: float) -> SnapshotManifest:
+    async def _take(self, timeout: float, trim_timeout: float | None) -> SnapshotManifest:
         replica = self._replica
         if self._storing:
             raise WriterBusyError(
@@ -1094,7 +1101,9 @@ class SnapshotPolicy(Generic[S]):
         )
         if self._trim_log is not None:
             try:
-                async with asyncio.timeout_at(deadline):  # (the caller's timeout covers it)
+                if trim_timeout is not None:
+                    deadline = asyncio.get_running_loop().time() + trim_timeout
+                async with asyncio.timeout_at(deadline):
                     await self.trim()
             except (PulsarStateError, TimeoutError) as exc:
                 # The snapshot stands; the next one trims again.
@@ -1105,9 +1114,11 @@ class SnapshotPolicy(Generic[S]):
         """``state`` encoded (and checked) in a worker thread. A thread cannot be stopped: one
         whose snapshot timed out runs on, holding its copy of the state, and until it ends
         no other snapshot starts (see _take: each would copy the state once more)."""
-        self._encoding = True
 
         def encode() -> bytes:
+            # Set here, not before: a work item still queued when its snapshot timed out is
+            # dropped by the executor, and nothing would unset the flag.
+            self._encoding = True
             try:
                 return encode_checked(self._codec, state)
             finally:
@@ -1190,7 +1201,11 @@ class SnapshotPolicy(Generic[S]):
                 self._last_version = newest.position
                 if not self._due(running_ok=True):
                     return
-            await self.take(self._settings.write_timeout_s)
+            # Its trim has a bound of its own: a snapshot taking most of write_timeout_s
+            # would leave none, and the history would never be trimmed.
+            await self.take(
+                self._settings.write_timeout_s, trim_timeout=self._settings.open_timeout_s
+            )
             succeeded = True
         except WriterBusyError:
             # Another process is writing one (each attempt copies and encodes the state

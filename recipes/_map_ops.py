@@ -381,6 +381,9 @@ class MapCodecs(Generic[K, V]):
         try:
             norm_value, value_bytes = self.value(value)
         except CodecError as exc:  # named: one bad value among a batch's (a Spark sink's)
+            if type(exc) is not CodecError:  # a codec's own kind: callers may catch it
+                exc.add_note(f"(the value of key {key!r})")
+                raise
             raise CodecError(f"the value of key {key!r}: {exc}") from exc
         return MapOp("PUT", key, norm_value, key_bytes, value_bytes, tag)
 

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from pulsar_state import ConfigurationError
 from recipes import thaw
+from recipes.map import PROTECTED_PREFIXES
 
-from ._sink import SINK_MARKER_PREFIX
 from ._specs import MapSpec, get_map
 
 if TYPE_CHECKING:
@@ -44,9 +44,10 @@ def map_dataframe(
       ignored; ints are widened to float/double fields);
     * any other type (``"double"``, ``"string"``, ``"binary"``...): one ``value`` column.
 
-    Sink markers (keys under ``SINK_MARKER_PREFIX``) are left out unless
-    ``include_markers=True``. The snapshot travels from the driver, so this is for maps that
-    fit in the driver's memory (which every PulsarMap does: each replica holds it all).
+    The map's protected keys (sink markers and fences: ``recipes.map.PROTECTED_PREFIXES``) are
+    left out unless ``include_markers=True``. The snapshot travels from the driver, so this is
+    for maps that fit in the driver's memory (which every PulsarMap does: each replica holds
+    it all).
     """
     from pyspark.sql.types import (
         BinaryType,
@@ -64,7 +65,7 @@ def map_dataframe(
     rows = [(key, thaw(entry.value), entry.version) for key, entry in entries]
     if not include_markers:
         rows = [
-            r for r in rows if not (isinstance(r[0], str) and r[0].startswith(SINK_MARKER_PREFIX))
+            r for r in rows if not (isinstance(r[0], str) and r[0].startswith(PROTECTED_PREFIXES))
         ]
 
     key_types = {type(r[0]) for r in rows}

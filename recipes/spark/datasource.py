@@ -67,6 +67,7 @@ import json
 import logging
 import math
 import pickle
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -302,7 +303,13 @@ def _from_json(document: Any) -> DataType:
 _INTEGRAL = (LongType, IntegerType, ShortType)
 # Each integral type's bits: a value outside them failed in Arrow, naming nothing.
 _BITS = {LongType: 64, IntegerType: 32, ShortType: 16}
-_FLOAT_MAX = 3.4028234663852886e38  # float32's largest finite value: beyond it, Arrow made inf
+
+
+def _fits_float32(number: float) -> bool:
+    """Whether a float32 holds ``number`` (rounded; inf and nan too): beyond its range,
+    Arrow made inf."""
+    (rounded,) = struct.unpack("f", struct.pack("f", number))
+    return math.isfinite(rounded) or not math.isfinite(number)
 
 
 def _checked(cell: Any, data_type: DataType, what: str) -> Any:
@@ -324,9 +331,7 @@ def _checked(cell: Any, data_type: DataType, what: str) -> Any:
             except OverflowError:  # an int too large for a double
                 ok = False
             else:
-                ok = not isinstance(data_type, FloatType) or not (
-                    math.isfinite(cell) and abs(cell) > _FLOAT_MAX
-                )
+                ok = not isinstance(data_type, FloatType) or _fits_float32(cell)
     elif isinstance(data_type, StringType):
         ok = isinstance(cell, str)
     elif isinstance(data_type, BooleanType):

@@ -296,6 +296,7 @@ def test_numbers_at_the_edges_of_their_types_fit() -> None:
     for cell, ddl in [(2**63 - 1, "long"), (-(2**31), "int"), (2**15 - 1, "short")]:
         assert _checked(cell, _parse_value_schema(ddl), "v") == cell
     assert _checked(3.4e38, _parse_value_schema("float"), "v") == 3.4e38
+    assert _checked(3.4028235e38, _parse_value_schema("float"), "v") == 3.4028235e38  # max
     assert _checked(float("inf"), _parse_value_schema("float"), "v") == float("inf")
     assert _checked(float("nan"), _parse_value_schema("double"), "v") != 0
 

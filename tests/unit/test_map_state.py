@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pulsar_state import JsonCodec, StrCodec
+from pulsar_state import CodecError, JsonCodec, StrCodec
 from recipes import FrozenDict, FrozenList, thaw
 from recipes._map_ops import (
     MapCodecs,
@@ -238,3 +238,22 @@ def test_versions_past_two_to_the_31_records_are_refused_on_trial_and_replica_al
             state.apply(CODECS.put("k", 1))
     assert len(live.entries) == 0
     assert list(live.sorted_keys()) == []
+
+
+def test_a_value_refused_by_its_codec_is_named_by_key_and_keeps_the_codec_s_error_type() -> None:
+    class Refused(CodecError):
+        pass
+
+    class Strict(JsonCodec):
+        def encode(self, value: Any) -> bytes:
+            if value == "bad":
+                raise Refused("no")
+            return super().encode(value)
+
+    codecs: MapCodecs[str, Any] = MapCodecs(StrCodec(), Strict())
+    with pytest.raises(Refused) as caught:  # (before the key was named: Refused itself)
+        codecs.put("k", "bad")
+    assert caught.value.__notes__ == ["(the value of key 'k')"]
+    with pytest.raises(CodecError, match="the value of key 'k': ") as plain:
+        MapCodecs(StrCodec(), JsonCodec()).put("k", {1, 2})
+    assert type(plain.value) is CodecError

@@ -7,11 +7,12 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncGenerator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from pulsar_state import CorruptRecordError, LogMark, LogPosition, WriterBusyError
+from pulsar_state import CorruptRecordError, JsonCodec, LogMark, LogPosition, WriterBusyError
 from pulsar_state import _snapshots as snapshots
 from pulsar_state._snapshots import SnapshotPolicy
 
@@ -229,3 +230,23 @@ async def test_parts_stepped_in_a_worker_are_closed_after_the_step_under_way() -
     with pytest.raises(asyncio.CancelledError):
         await task
     assert events == ["second made", "closed"]
+
+
+async def test_a_snapshot_timing_out_before_its_encode_started_blocks_no_later_one() -> None:
+    # The encode waited in the default executor's queue (its one worker busy) when the
+    # snapshot timed out: the executor dropped it, and the flag set before it was submitted
+    # stayed set, refusing every later snapshot (WriterBusyError) until the manager closed
+    # (the review of the fix for the piling-up encodes).
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+    release = threading.Event()
+    busy = loop.run_in_executor(None, release.wait)
+    policy = SnapshotPolicy.__new__(SnapshotPolicy)
+    policy._encoding, policy._codec = False, JsonCodec()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await policy._encode({"a": 1})
+    release.set()
+    await busy
+    assert not policy._encoding
+    assert await policy._encode({"a": 1}) == JsonCodec().encode({"a": 1})
