@@ -147,7 +147,14 @@ def _token_header(token: TokenSource) -> dict[str, str]:
         raise ConfigurationError(
             f"the authentication token must be a non-empty string, got {type(value).__name__}"
         )
-    return {"Authorization": f"Bearer {value.strip()}"}
+    value = value.strip()
+    if any(char.isspace() or not char.isprintable() for char in value):
+        # (Not quoted: http.client's own error quoted the whole header, the token with it.)
+        raise ConfigurationError(
+            "the authentication token holds a line break, a space or a control character "
+            "(a token file of two lines?)"
+        )
+    return {"Authorization": f"Bearer {value}"}
 
 
 def _with_authoritative(location: str) -> str:

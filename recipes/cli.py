@@ -22,10 +22,12 @@ import base64
 import binascii
 import contextlib
 import datetime
+import io
 import json
 import logging
 import math
 import os
+import re
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -47,10 +49,12 @@ from pulsar_state import (
     CodecError,
     ConfigurationError,
     JsonCodec,
+    PartitionedTopicError,
     PulsarStateError,
     ReplayProgress,
     SharedStateManager,
     StrCodec,
+    UnsafeTopicPolicyError,
 )
 from pulsar_state._admin import AdminClient, TopicName, default_admin_url
 from pulsar_state._credentials import secured_client_options
@@ -149,7 +153,9 @@ def _version(version: MapVersion) -> dict[str, int]:
 
 
 def _dumps(document: Any) -> str:
-    return json.dumps(document, ensure_ascii=False, sort_keys=True)
+    # ASCII, with JSON's escapes: valid whatever the locale (under C/POSIX, click wrote "?"
+    # for what ASCII lacks, and a lone surrogate went out as a raw byte), so a dump loads.
+    return json.dumps(document, ensure_ascii=True, sort_keys=True)
 
 
 def _not_nan(seconds: float) -> float:
@@ -223,7 +229,7 @@ class Settings:
     auth_token: str | None = None
 
     def admin(self) -> AdminClient:
-        return AdminClient(self.admin_url, token=self.auth_token)
+        return AdminClient(self.admin_url, token=self.auth_token, timeout_s=self.timeout)
 
     def values(self) -> Codec[Any]:
         if self.value_schema is not None:
@@ -331,7 +337,14 @@ def _echo(line: str, *, err: bool = False) -> None:
 
 
 def _emit(line: str) -> None:
-    _echo(line)
+    try:
+        _echo(line)
+    except BrokenPipeError:
+        # The reader went away (| head): as a shell reports SIGPIPE. (Click's own handler
+        # would exit 1, which means "key absent".)
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(EXIT_BROKEN_PIPE) from None
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -649,8 +662,15 @@ def _entries_of(settings: Settings, source: Iterator[str]) -> list[tuple[Any, An
         "the load unless --chunk."
     ),
 )
+@click.option(
+    "--allow-empty",
+    is_flag=True,
+    help="With --replace, accept a SOURCE without entries (it empties the map).",
+)
 @pass_settings
-def load(settings: Settings, source: Any, chunk: int | None, replace: bool) -> None:
+def load(
+    settings: Settings, source: Any, chunk: int | None, replace: bool, allow_empty: bool
+) -> None:
     """Put the entries of SOURCE (JSON lines as ``dump`` writes; default stdin).
 
     Every line, key and value is checked (by the map's codecs too) before anything is
@@ -661,6 +681,13 @@ def load(settings: Settings, source: Any, chunk: int | None, replace: bool) -> N
     """
 
     entries = _checked(settings, lambda: _read_entries(settings, iter(source)))
+    if replace and not entries and not allow_empty:
+        # A dump that failed leaves an empty file: restoring it would empty the map.
+        _fail(
+            "SOURCE holds no entry: --replace would delete every key; pass --allow-empty "
+            "to empty the map",
+            EXIT_USAGE,
+        )
     keys = {k for k, _ in entries}
     if len(keys) != len(entries):
         _fail("SOURCE names a key twice: refusing an ambiguous load", EXIT_USAGE)
@@ -930,7 +957,9 @@ def status(settings: Settings) -> None:
             try:
                 unchecked = await admin.check_topic(topic)
                 policies = f"not checked (HTTP 403): {', '.join(unchecked)}" if unchecked else "ok"
-            except PulsarStateError as exc:
+            except (UnsafeTopicPolicyError, PartitionedTopicError) as exc:
+                # Only a setting that loses history is exit 4; a broker's error (a 503, a
+                # timeout) fails the command as any other (exit 3).
                 policies = str(exc)
         finally:
             await admin.close()
@@ -1204,6 +1233,11 @@ def snapshot_verify(settings: Settings, snapshot_id: str | None) -> None:
 
 def main() -> NoReturn:
     """The console script's entry point."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # Under C/POSIX locales stdout's errors handler is surrogateescape: a lone surrogate
+        # (JSON can carry one) went out as a raw byte, not UTF-8, and `load` refused the dump.
+        # Strict, _echo writes its escape instead.
+        sys.stdout.reconfigure(errors="strict")
     try:
         cli.main(prog_name="pulsar-state")
         code = EXIT_OK
@@ -1216,7 +1250,9 @@ def main() -> NoReturn:
     except BrokenPipeError:  # the reader went away (| head): as a shell reports SIGPIPE
         code = EXIT_BROKEN_PIPE
     except Exception as exc:  # a bug of ours: still one line and an exit code, no traceback
-        _echo(f"pulsar-state: internal error: {type(exc).__name__}: {exc}", err=True)
+        # Never a credential, whatever the error quotes (http.client quotes a bad header).
+        detail = re.sub(r"Bearer\s+\S+", "Bearer <redacted>", str(exc))
+        _echo(f"pulsar-state: internal error: {type(exc).__name__}: {detail}", err=True)
         code = EXIT_FAILED
     for bar in list(_ReplayBar.showing):
         bar.stop()

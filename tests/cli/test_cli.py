@@ -7,12 +7,14 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import http.server
 import json
 import os
 import pty
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -654,3 +656,150 @@ def test_a_restore_never_lowers_a_fence_nor_deletes_protected_keys(
         "__sink__/job": 3,
         "b": 2,
     }
+
+
+def test_a_token_with_a_line_break_is_refused_without_being_shown(
+    broker: Broker, topic: str
+) -> None:
+    # A token file of two lines: before, http.client's error quoted the whole header, so
+    # the token went to stderr, as an "internal error" (exit 3).
+    secret = "eyJhbGciOiJIUzI1NiJ9.SECRET"
+    env = {**os.environ, "PULSAR_STATE_AUTH_TOKEN": f"{secret}\nPAYLOAD.sig"}
+    urls = ["--service-url", broker.service_url, "--admin-url", broker.admin_url]
+    result = subprocess.run(
+        [COMMAND, *urls, "-t", topic, "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    one_error_line(result, 2, "line break")
+    assert "SECRET" not in result.stderr + result.stdout
+
+
+def test_a_reader_that_goes_away_is_exit_141(broker: Broker, topic: str) -> None:
+    # `dump | head`: click's own handler exited 1, which means "key absent".
+    many = "".join(json.dumps({"key": f"k{i:05d}", "value": i}) + "\n" for i in range(20_000))
+    ok(pulsar_state(broker, topic, "load", stdin=many))
+    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
+    env["PULSAR_ADMIN_URL"] = broker.admin_url
+    dump = subprocess.Popen(
+        [str(COMMAND), "-t", topic, "dump"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert dump.stdout is not None
+    assert dump.stderr is not None
+    assert json.loads(dump.stdout.readline())["key"] == "k00000"
+    dump.stdout.close()
+    assert dump.wait(timeout=120) == 141, dump.stderr.read()
+
+
+def test_a_replace_from_a_file_without_entries_is_refused(broker: Broker, topic: str) -> None:
+    # A dump that failed leaves an empty file: before, restoring it emptied the map (exit 0).
+    ok(pulsar_state(broker, topic, "put", "k", "1"))
+    one_error_line(pulsar_state(broker, topic, "load", "--replace", stdin=""), 2, "no entry")
+    assert ok(pulsar_state(broker, topic, "get", "k")) == "1\n"
+    ok(pulsar_state(broker, topic, "load", "--replace", "--allow-empty", stdin=""))
+    assert pulsar_state(broker, topic, "get", "k").returncode == 1
+
+
+@pytest.mark.parametrize("locale", ["C", "C.UTF-8"])
+def test_a_dump_under_a_c_locale_loads_back_whole(broker: Broker, topic: str, locale: str) -> None:
+    # Before: under C (ASCII) click wrote "?" for what ASCII lacks; under C.UTF-8 stdout's
+    # errors handler is surrogateescape, so a lone surrogate went out as a raw byte, not
+    # UTF-8, and `load` refused the dump.
+    ok(pulsar_state(broker, topic, "put", "k", '"caf\\udce9"'))
+    ok(pulsar_state(broker, topic, "put", "l", '"caf\u00e9 \u20ac"'))
+    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
+    env.update(PULSAR_ADMIN_URL=broker.admin_url, LC_ALL=locale, PYTHONUTF8="0")
+    env.pop("PYTHONIOENCODING", None)
+    dumped = subprocess.run(
+        [str(COMMAND), "-t", topic, "dump"], env=env, capture_output=True, timeout=120
+    )
+    assert dumped.returncode == 0, dumped.stderr
+    ok(pulsar_state(broker, f"{topic}-copy", "load", stdin=dumped.stdout.decode("utf-8")))
+    copied = ok(pulsar_state(broker, f"{topic}-copy", "-o", "json", "dump"))
+    assert [json.loads(line)["value"] for line in copied.splitlines()] == [
+        "caf\udce9",
+        "caf\u00e9 \u20ac",
+    ]
+
+
+class _FlakyAdmin(http.server.BaseHTTPRequestHandler):
+    """An admin API whose policy reads answer 503 (a broker's passing trouble)."""
+
+    def do_GET(self) -> None:
+        if "retention" in self.path:
+            code, body = 503, {"reason": "ZooKeeper session expired, try again"}
+        elif self.path.endswith("/partitions"):
+            code, body = 200, {"partitions": 0}
+        elif "/lastMessageId" in self.path:
+            code, body = 200, {"ledgerId": 1, "entryId": 0}
+        else:
+            code, body = 200, {"publishers": [], "subscriptions": {}}
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_status_fails_on_a_broker_error_rather_than_calling_the_topic_unsafe(
+    broker: Broker, topic: str
+) -> None:
+    # Exit 4 means a setting that loses history (fix the topic now); before, any admin
+    # error while checking the policies (a 503, a timeout, a 401) was reported so.
+    ok(pulsar_state(broker, topic, "put", "k", "1"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FlakyAdmin)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
+        env["PULSAR_ADMIN_URL"] = f"http://127.0.0.1:{server.server_address[1]}"
+        result = subprocess.run(
+            [COMMAND, "-t", topic, "status"], env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    one_error_line(result, 3, "503")
+
+
+class _SlowAdmin(http.server.BaseHTTPRequestHandler):
+    """An admin API that answers 404 after 11 s (a broker under load)."""
+
+    def do_GET(self) -> None:
+        time.sleep(11)
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_the_timeout_option_bounds_admin_requests_too(broker: Broker, topic: str) -> None:
+    # Before: admin requests had their own fixed 10 s, so --timeout 30 gave up on an answer
+    # coming after 11 s (and --timeout 2 still waited 10 s).
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowAdmin)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
+        env["PULSAR_ADMIN_URL"] = f"http://127.0.0.1:{server.server_address[1]}"
+        result = subprocess.run(
+            [COMMAND, "-t", topic, "--timeout", "30", "-o", "json", "snapshot", "list"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert json.loads(ok(result)) == []  # no index topic: no snapshot
