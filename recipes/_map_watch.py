@@ -226,12 +226,19 @@ class WatchHub(Generic[K, V]):
         snapshot: bool,
         max_queue: int,
         candidates: Callable[[MapState[K, V]], Iterable[K]] | None = None,
+        after: int | None = None,
     ) -> MapWatch[K, V]:
         """A watch of the changes ``accept`` takes; its snapshot holds the entries ``accept``
-        takes among those of ``candidates(state)`` (None: every key), in key order."""
+        takes among those of ``candidates(state)`` (None: every key), in key order.
+        ``after``: ``accept`` takes no change at or before this position (a resumed watch),
+        so the consumer has received every change through it from the start."""
         # One synchronous step (no await): the snapshot and the subscription see the same state.
         state = self._state
         position = self._manager.position
+        if after is not None:
+            # (An overflow before anything was delivered named the open's position, maybe
+            # 0: resuming there delivered every change up to ``after`` again.)
+            position = max(position, after)
         initial: list[MapEvent[K, V]] = []
         if snapshot:
             entries: Iterable[tuple[K, MapEntry[V] | None]] = (

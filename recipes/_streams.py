@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
@@ -11,9 +12,11 @@ from pulsar_state import ClosedError, ConfigurationError, OperationTimeoutError,
 
 from ._map_watch import WatchOverflowError, received_through
 
-__all__ = ["EventStream", "removing_all"]
+__all__ = ["EventStream", "feed", "removing_all"]
 
 T = TypeVar("T")
+A = TypeVar("A")
+B = TypeVar("B")
 
 
 class EventStream(Generic[T]):
@@ -119,6 +122,35 @@ class EventStream(Generic[T]):
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def feed(
+    stream: EventStream[T],
+    subscribe: Callable[[Callable[[A, B], None]], Callable[[], None]],
+    on_close: Callable[[Callable[[PulsarStateError], None]], Callable[[], None]],
+    on_change: Callable[[EventStream[T], A, B], None],
+) -> None:
+    """Feed ``stream``: ``on_change(stream, ...)`` for each call of the listener given to
+    ``subscribe``, and the stream failed with the error ``on_close`` reports. The listeners
+    hold the stream weakly, so a stream dropped without close() (a ``break`` out of
+    ``async for``, a cancelled consumer) is collected and leaves nothing subscribed; before,
+    each stayed subscribed, queueing, as long as the recipe was open."""
+    ref = weakref.ref(stream)
+
+    def changed(first: A, second: B) -> None:
+        found = ref()
+        if found is not None:
+            on_change(found, first, second)
+
+    def closed(error: PulsarStateError) -> None:
+        found = ref()
+        if found is not None:
+            found.fail(error)
+
+    # Called by close() or fail(), or when the stream is collected: once, whichever is first.
+    stream.unsubscribe = weakref.finalize(
+        stream, removing_all(subscribe(changed), on_close(closed))
+    )
 
 
 def removing_all(*removers: Callable[[], None]) -> Callable[[], None]:

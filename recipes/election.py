@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pulsar_state import OperationTimeoutError, PulsarStateError
 
 from ._lease_table import Lease, LeaseEvent, LeaseTable, NotHeldError
-from ._streams import EventStream, removing_all
+from ._streams import EventStream, feed
 from .ownership import OneLeaseRecipe
 
 __all__ = ["Leader", "LeaderElection"]
@@ -167,7 +167,9 @@ class LeaderElection(OneLeaseRecipe):
         )
         last = [current]
 
-        def on_change(events: list[LeaseEvent], table: LeaseTable) -> None:
+        def on_change(
+            stream: EventStream[Leader | None], events: list[LeaseEvent], table: LeaseTable
+        ) -> None:
             if not any(RESOURCE in event.lease.names for event in events):
                 return
             now = _leader_of(table)
@@ -175,7 +177,5 @@ class LeaderElection(OneLeaseRecipe):
                 last[0] = now
                 stream.push([now], table.position)
 
-        stream.unsubscribe = removing_all(
-            self._ownership.subscribe(on_change), self._ownership.on_close(stream.fail)
-        )
+        feed(stream, self._ownership.subscribe, self._ownership.on_close, on_change)
         return stream

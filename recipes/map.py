@@ -982,7 +982,11 @@ class PulsarMap(Generic[K, V]):
                 return event.position > after and matches(event)
 
         return self._watches.open(
-            accept, snapshot=snapshot, max_queue=max_queue, candidates=candidates
+            accept,
+            snapshot=snapshot,
+            max_queue=max_queue,
+            candidates=candidates,
+            after=from_position,
         )
 
 

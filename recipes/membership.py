@@ -18,7 +18,7 @@ from typing import Literal
 from pulsar_state import ConfigurationError
 
 from ._lease_table import Lease, LeaseEvent, LeaseTable
-from ._streams import EventStream, removing_all
+from ._streams import EventStream, feed
 from .ownership import OneLeaseRecipe
 
 __all__ = ["MemberEvent", "Membership"]
@@ -116,7 +116,9 @@ class Membership(OneLeaseRecipe):
         # one name), so only its first lease joins it and only its last one leaves.
         told = set(_members_of(table))
 
-        def on_change(events: list[LeaseEvent], table: LeaseTable) -> None:
+        def on_change(
+            stream: EventStream[MemberEvent], events: list[LeaseEvent], table: LeaseTable
+        ) -> None:
             changes: list[MemberEvent] = []
             members: set[str] | None = None  # after this record, computed once if needed
             for event in events:
@@ -138,7 +140,5 @@ class Membership(OneLeaseRecipe):
                     changes.append(MemberEvent("leave", lease.owner, event.position, reason))
             stream.push(changes, table.position)
 
-        stream.unsubscribe = removing_all(
-            self._ownership.subscribe(on_change), self._ownership.on_close(stream.fail)
-        )
+        feed(stream, self._ownership.subscribe, self._ownership.on_close, on_change)
         return stream

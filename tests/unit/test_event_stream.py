@@ -3,13 +3,20 @@ max_queue and the position an overflow names (no broker)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+from typing import Any
+
 import pytest
 
 from pulsar_state import AppliedRecord, ConfigurationError, OperationTimeoutError
 from recipes import MapEvent, MapVersion, WatchOverflowError
-from recipes._map_ops import MapState
-from recipes._map_watch import MapWatch, _Feed
+from recipes._lease_table import LeaseTable
+from recipes._map_ops import MapOp, MapState
+from recipes._map_watch import MapWatch, WatchHub, _Feed
 from recipes._streams import EventStream
+from recipes.election import LeaderElection
+from recipes.membership import Membership
 
 
 async def test_the_snapshot_does_not_count_against_max_queue() -> None:
@@ -114,3 +121,82 @@ async def test_a_map_watch_overflow_in_the_middle_of_a_record_names_the_position
         await watch.next(timeout=1)
     assert caught.value.position == 3  # before: 4, though y and z were dropped
     watch.close()
+
+
+class _Source:
+    """What leaders() and events() subscribe to (an Ownership's subscribe and on_close)."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Any] = []
+        self.closers: list[Any] = []
+        self.table = LeaseTable()
+
+    def read_local(self, read: Any) -> Any:
+        return read(self.table)
+
+    def subscribe(self, listener: Any) -> Any:
+        self.listeners.append(listener)
+        return lambda: self.listeners.remove(listener)
+
+    def on_close(self, closer: Any) -> Any:
+        self.closers.append(closer)
+        return lambda: self.closers.remove(closer)
+
+
+async def test_a_stream_dropped_without_close_leaves_nothing_subscribed() -> None:
+    # `async for leader in election.leaders(): ... break`, or a cancelled consumer: before,
+    # each stream stayed subscribed (queueing, its listener run on every record) as long as
+    # the recipe was open (review 45g: 1,000 dropped streams, 1,000 listeners).
+    source = _Source()
+    election = object.__new__(LeaderElection)
+    election._ownership = source  # type: ignore[assignment]
+    membership = object.__new__(Membership)
+    membership._ownership = source  # type: ignore[assignment]
+    alive = [weakref.ref(election.leaders()) for _ in range(100)]
+    alive += [weakref.ref(membership.events()) for _ in range(100)]
+    gc.collect()
+    assert [ref for ref in alive if ref() is not None] == []
+    assert source.listeners == []
+    assert source.closers == []
+    kept = election.leaders()  # one still held is fed
+    assert len(source.listeners) == 1
+    kept.close()
+    assert source.listeners == []
+
+
+class _Applying:
+    """What a WatchHub needs of a manager: its position, listeners, and records applied."""
+
+    topic = "t"
+
+    def __init__(self, state: MapState[str, Any]) -> None:
+        self.state, self.position = state, 0
+        self.listeners: list[Any] = []
+
+    def add_listener(self, listener: Any) -> Any:
+        self.listeners.append(listener)
+        return lambda: listener in self.listeners and self.listeners.remove(listener)
+
+    def apply(self, key: str) -> None:
+        self.position += 1
+        self.state.begin(self.position)
+        ops = [MapOp("PUT", key, 1, key.encode())]
+        for op in ops:
+            self.state.apply(op)
+        for listener in list(self.listeners):
+            listener(AppliedRecord(self.position, "r", None, [ops]))
+
+
+async def test_a_resumed_watch_overflowing_at_once_names_at_least_its_resume_position() -> None:
+    # changes(from_position=5) opened before open(), overflowing during the replay before
+    # anything was delivered: the error named 0, the open's position, and a consumer
+    # resuming there got every change up to 5 again (review 45g).
+    state: MapState[str, Any] = MapState()
+    manager = _Applying(state)
+    hub: WatchHub[str, Any] = WatchHub(state, manager)  # type: ignore[arg-type]
+    watch = hub.open(lambda e: e.position > 5, snapshot=False, max_queue=3, after=5)
+    for index in range(10):
+        manager.apply(f"k{index}")
+    with pytest.raises(WatchOverflowError) as overflow:
+        await watch.next(timeout=1)
+    assert overflow.value.position == 5
