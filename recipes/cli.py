@@ -242,12 +242,17 @@ class Settings:
         return self.topic
 
     def open_map(self, *, snapshots: bool = False) -> PulsarMap[Any, Any]:
+        """The map, opened from its newest snapshot with ``snapshots``. Then it also reads a
+        topic whose writers trim its history (``trim_history``: a finite retention is
+        accepted, and a replica behind the trimmed history falls forward); it trims nothing
+        itself but after a snapshot it takes (``snapshot take``), as those writers do."""
         return PulsarMap(
             self.service_url,
             self.need_topic(),
             key_codec=_codec(self.key_codec),
             value_codec=self.values(),
             snapshots=snapshots,
+            trim_history=snapshots,
             admin_url=self.admin_url,
             authentication=self.auth_token,
             on_progress=_ReplayBar(),
@@ -387,7 +392,10 @@ async def _bounded(work: Awaitable[T], timeout: float | None) -> T:
 
 
 async def _with_map(settings: Settings, use: Callable[[PulsarMap[Any, Any]], Awaitable[T]]) -> T:
-    async with settings.open_map() as state_map:
+    # From the newest snapshot, if any: a topic whose writers trim their history has no
+    # beginning to replay (its first record is built on a deleted one: a forked history to a
+    # replica that does not fall forward), and a long one opens sooner.
+    async with settings.open_map(snapshots=True) as state_map:
         return await use(state_map)
 
 
@@ -779,7 +787,8 @@ def watch(
 
     async def work() -> None:
         key = None if one_key is None else _parse_key(one_key, settings.key_codec)
-        state_map = settings.open_map()
+        # --from reads the history (a watch before open); else from the newest snapshot.
+        state_map = settings.open_map(snapshots=from_position is None)
         try:
             if from_position is not None:
                 # Before open: from the first record its opening replay applies.
