@@ -241,18 +241,18 @@ class Settings:
             raise BadInput("no topic: pass -t/--topic TOPIC or set PULSAR_STATE_TOPIC")
         return self.topic
 
-    def open_map(self, *, snapshots: bool = False) -> PulsarMap[Any, Any]:
-        """The map, opened from its newest snapshot with ``snapshots``. Then it also reads a
-        topic whose writers trim its history (``trim_history``: a finite retention is
-        accepted, and a replica behind the trimmed history falls forward); it trims nothing
-        itself but after a snapshot it takes (``snapshot take``), as those writers do."""
+    def open_map(self, *, snapshots: bool = False, trimmed: bool = False) -> PulsarMap[Any, Any]:
+        """The map, opened from its newest snapshot with ``snapshots``; ``trimmed``: the
+        topic's writers trim its history (see :func:`_trimmed`), and so does this map after
+        a snapshot it takes (``snapshot take``), as they do; a finite retention is then
+        accepted, and a replica behind the trimmed history falls forward."""
         return PulsarMap(
             self.service_url,
             self.need_topic(),
             key_codec=_codec(self.key_codec),
             value_codec=self.values(),
             snapshots=snapshots,
-            trim_history=snapshots,
+            trim_history=snapshots and trimmed,
             admin_url=self.admin_url,
             authentication=self.auth_token,
             on_progress=_ReplayBar(),
@@ -391,11 +391,30 @@ async def _bounded(work: Awaitable[T], timeout: float | None) -> T:
         return await work
 
 
+async def _trimmed(settings: Settings) -> bool:
+    """Whether the topic's writers trim its history: its retention is finite (the library
+    accepts one only with trim_history). False when that cannot be read (a new topic, a
+    role that may not read policies)."""
+    admin = settings.admin()
+    try:
+        path = TopicName.parse(settings.need_topic()).rest_path + "/retention?applied=true"
+        status, retention = await admin.get(path)
+    finally:
+        await admin.close()
+    if status != 200 or not isinstance(retention, dict):
+        return False
+    return -1 not in (retention.get("retentionTimeInMinutes"), retention.get("retentionSizeInMB"))
+
+
+async def _open_map(settings: Settings) -> PulsarMap[Any, Any]:
+    """The map, unopened, to open from its newest snapshot: a topic whose writers trim its
+    history has no beginning to replay (its first record is built on a deleted one: a forked
+    history to a replica that does not fall forward), and a long one opens sooner."""
+    return settings.open_map(snapshots=True, trimmed=await _trimmed(settings))
+
+
 async def _with_map(settings: Settings, use: Callable[[PulsarMap[Any, Any]], Awaitable[T]]) -> T:
-    # From the newest snapshot, if any: a topic whose writers trim their history has no
-    # beginning to replay (its first record is built on a deleted one: a forked history to a
-    # replica that does not fall forward), and a long one opens sooner.
-    async with settings.open_map(snapshots=True) as state_map:
+    async with await _open_map(settings) as state_map:
         return await use(state_map)
 
 
@@ -788,7 +807,7 @@ def watch(
     async def work() -> None:
         key = None if one_key is None else _parse_key(one_key, settings.key_codec)
         # --from reads the history (a watch before open); else from the newest snapshot.
-        state_map = settings.open_map(snapshots=from_position is None)
+        state_map = settings.open_map() if from_position is not None else await _open_map(settings)
         try:
             if from_position is not None:
                 # Before open: from the first record its opening replay applies.
@@ -1155,7 +1174,7 @@ def snapshot_take(settings: Settings) -> None:
     """Write a snapshot of a PulsarMap now (with the map's codecs); prints its position."""
 
     async def work() -> int:
-        async with settings.open_map(snapshots=True) as state_map:
+        async with await _open_map(settings) as state_map:
             return await state_map.snapshot(timeout=settings.timeout)
 
     position = _run(settings, work)

@@ -821,3 +821,15 @@ async def test_map_commands_read_a_topic_whose_history_was_trimmed(
         assert got["value"] == content[key]
     ok(pulsar_state(broker, topic, "put", "added", "1"))
     assert ok(pulsar_state(broker, topic, "get", "added")) == "1\n"
+
+
+async def test_map_commands_accept_a_message_ttl_on_a_topic_kept_whole(
+    broker: Broker, topic: str
+) -> None:
+    # A TTL only moves subscriptions; with infinite retention it loses nothing, and the
+    # library accepts it without trim_history (refused with it: it would move the trim point).
+    from tests.support.trimming import set_policy
+
+    await set_policy(broker.admin_url, topic, "messageTTL", 60)
+    ok(pulsar_state(broker, topic, "put", "k", "1"))
+    assert ok(pulsar_state(broker, topic, "get", "k")) == "1\n"
