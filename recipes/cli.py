@@ -63,7 +63,7 @@ from pulsar_state._pulsar import LogMessage, read_log
 
 from ._map_ops import MapVersion
 from ._map_watch import MapWatch
-from .map import FENCE_PREFIX, PROTECTED_PREFIXES, PulsarMap
+from .map import PROTECTED_PREFIXES, PulsarMap
 
 __all__ = ["main"]
 
@@ -173,40 +173,64 @@ def _deleting(keys: list[Any]) -> Callable[[Mapping[Any, Any]], dict[Any, None]]
     return lambda view: {key: None for key in keys if key in view}
 
 
-def _is_fence(key: Any) -> bool:
-    return isinstance(key, str) and key.startswith(FENCE_PREFIX)
-
-
-def _kept_by_replace(key: Any) -> bool:
-    # The Spark sinks' markers and the fences are not data: a restore leaves them alone.
+def _is_protected(key: Any) -> bool:
+    # The Spark sinks' markers and the fences are not data: a restore leaves them alone, and
+    # never lowers one.
     return isinstance(key, str) and key.startswith(PROTECTED_PREFIXES)
+
+
+_FORCE = click.option(
+    "--force",
+    is_flag=True,
+    help="Also change a protected key (a Spark sink's marker, a fence), which the map keeps "
+    "for exactly-once writes and fencing.",
+)
+
+
+def _refuse_protected(key: Any, force: bool) -> None:
+    if _is_protected(key) and not force:
+        raise BadInput(
+            f"{key!r} is a protected key (a Spark sink's marker or a fence): changing it may "
+            "make a sink apply batches again or let a holder that lost its lease write; "
+            "pass --force to change it anyway"
+        )
 
 
 def _loading(
     entries: list[tuple[Any, Any]], replace: bool
 ) -> Callable[[Mapping[Any, Any]], dict[Any, Any]]:
     """A transact function putting ``entries`` (and with ``replace``, deleting the other
-    keys but the protected ones), where a fence in SOURCE lower than the map's is not put: a
-    fence that went down would let a holder that lost its lease write again."""
+    keys but the protected ones), where a protected key in SOURCE lower than the map's is not
+    put: a fence that went down would let a holder that lost its lease write again, and a
+    sink's marker that went down would make the sink apply its later batches again."""
 
     def changes(view: Mapping[Any, Any]) -> dict[Any, Any]:
         wanted = {
             key: value
             for key, value in entries
-            if not (_is_fence(key) and _lowers(view.get(key), value))
+            if not (_is_protected(key) and _lowers(view.get(key), value))
         }
         if replace:
             kept = {key for key, _ in entries}
-            wanted.update({k: None for k in view if k not in kept and not _kept_by_replace(k)})
+            wanted.update({k: None for k in view if k not in kept and not _is_protected(k)})
         return wanted
 
     return changes
 
 
+def _rank(value: Any) -> int | None:
+    """A fence's token, or a sink marker's batch id (an int, or ``{"batch": id, ...}``)."""
+    if isinstance(value, Mapping):
+        value = value.get("batch")
+    return value if type(value) is int else None
+
+
 def _lowers(current: Any, new: Any) -> bool:
-    if type(current) is not int:
+    now = _rank(current)
+    if now is None:
         return False
-    return type(new) is not int or new < current
+    then = _rank(new)
+    return then is None or then < now
 
 
 class PartialLoad(PulsarStateError):
@@ -546,8 +570,9 @@ def get(settings: Settings, key: str) -> None:
 @cli.command()
 @click.argument("key")
 @click.argument("value")
+@_FORCE
 @pass_settings
-def put(settings: Settings, key: str, value: str) -> None:
+def put(settings: Settings, key: str, value: str, force: bool) -> None:
     """Bind KEY to VALUE (in the value codec's form: JSON by default)."""
 
     new_key, new_value = _checked(
@@ -557,6 +582,7 @@ def put(settings: Settings, key: str, value: str) -> None:
             _parse(value, settings.value_codec, "value"),
         ),
     )
+    _checked(settings, lambda: _refuse_protected(new_key, force))
 
     async def work(state_map: PulsarMap[Any, Any]) -> MapVersion:
         return await state_map.put(new_key, new_value, timeout=settings.timeout)
@@ -570,10 +596,12 @@ def put(settings: Settings, key: str, value: str) -> None:
 
 @cli.command(name="del")
 @click.argument("key")
+@_FORCE
 @pass_settings
-def delete(settings: Settings, key: str) -> None:
+def delete(settings: Settings, key: str, force: bool) -> None:
     """Remove KEY. Exit 1 when it was absent (nothing written)."""
     wanted = _checked(settings, lambda: _parse_key(key, settings.key_codec))
+    _checked(settings, lambda: _refuse_protected(wanted, force))
 
     async def work(state_map: PulsarMap[Any, Any]) -> tuple[bool, int]:
         deleted = await state_map.delete(wanted, timeout=settings.timeout)
@@ -719,8 +747,8 @@ def load(
     if len(keys) != len(entries):
         _fail("SOURCE names a key twice: refusing an ambiguous load", EXIT_USAGE)
 
-    fences = [(k, v) for k, v in entries if _is_fence(k)]
-    data = [(k, v) for k, v in entries if not _is_fence(k)]
+    fences = [(k, v) for k, v in entries if _is_protected(k)]  # (and sink markers)
+    data = [(k, v) for k, v in entries if not _is_protected(k)]
 
     async def work(state_map: PulsarMap[Any, Any]) -> int:
         for key, value in entries:  # CodecError (exit 2) before any write
@@ -757,7 +785,7 @@ def load(
             stale = [
                 k
                 for k in await state_map.list_keys(latest=True)
-                if k not in keys and not _kept_by_replace(k)
+                if k not in keys and not _is_protected(k)
             ]
             deleted = 0
             for begin in range(0, len(stale), chunk):

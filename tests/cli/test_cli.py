@@ -640,11 +640,21 @@ def test_a_restore_never_lowers_a_fence_nor_deletes_protected_keys(
     broker: Broker, topic: str, chunk: list[str]
 ) -> None:
     for key, value in [("__fence__/db", "7"), ("__fence__/up", "2"), ("__sink__/job", "3")]:
-        ok(pulsar_state(broker, topic, "put", key, value))
+        # (Protected keys: only with --force. Before, put and del changed them freely, and
+        # a merge of an old dump put an older sink marker back: its later batches applied
+        # again, counted twice in mode add; review 45f F9.)
+        one_error_line(pulsar_state(broker, topic, "put", key, value), 2, "--force")
+        ok(pulsar_state(broker, topic, "put", "--force", key, value))
+    one_error_line(pulsar_state(broker, topic, "del", "__fence__/db"), 2, "protected key")
     ok(pulsar_state(broker, topic, "put", "stale", "0"))
     source = "".join(
         json.dumps({"key": key, "value": value}) + "\n"
-        for key, value in [("__fence__/db", 5), ("__fence__/up", 4), ("b", 2)]
+        for key, value in [
+            ("__fence__/db", 5),
+            ("__fence__/up", 4),
+            ("__sink__/job", {"batch": 1, "query": "q"}),  # an older marker: not put back
+            ("b", 2),
+        ]
     )
     ok(pulsar_state(broker, topic, "load", "--replace", *chunk, stdin=source))
     dumped = ok(pulsar_state(broker, topic, "dump"))
