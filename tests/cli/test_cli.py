@@ -32,8 +32,7 @@ COMMAND = Path(sys.executable).with_name("pulsar-state")
 def pulsar_state(
     broker: Broker, topic: str | None, *args: str, stdin: str | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
-    env["PULSAR_ADMIN_URL"] = broker.admin_url
+    env = cli_env(broker)
     env.pop("PULSAR_STATE_TOPIC", None)
     topic_args = ["-t", topic] if topic else []
     return subprocess.run(
@@ -44,6 +43,13 @@ def pulsar_state(
         text=True,
         timeout=timeout,
     )
+
+
+def cli_env(broker: Broker, **more: str) -> dict[str, str]:
+    """The environment the command runs in."""
+    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
+    env["PULSAR_ADMIN_URL"] = broker.admin_url
+    return {**env, **more}
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:
@@ -279,8 +285,7 @@ def test_unreachable_broker_is_one_line_exit_3(broker: Broker, topic: str) -> No
 
 def test_watch_prints_json_lines_and_ends_on_ctrl_c(broker: Broker, topic: str) -> None:
     ok(pulsar_state(broker, topic, "put", "a", "1"))
-    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
-    env["PULSAR_ADMIN_URL"] = broker.admin_url
+    env = cli_env(broker)
     watcher = subprocess.Popen(
         [str(COMMAND), "-t", topic, "watch"],
         env=env,
@@ -308,8 +313,7 @@ def test_watch_prints_json_lines_and_ends_on_ctrl_c(broker: Broker, topic: str) 
 def test_watch_resumes_from_a_position(broker: Broker, topic: str) -> None:
     for args in (("put", "a", "1"), ("put", "b", "2"), ("del", "a"), ("put", "c", "3")):
         ok(pulsar_state(broker, topic, *args))  # positions 1 to 4
-    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
-    env["PULSAR_ADMIN_URL"] = broker.admin_url
+    env = cli_env(broker)
     watcher = subprocess.Popen(
         [str(COMMAND), "-t", topic, "watch", "--from", "2"],
         env=env,
@@ -397,8 +401,7 @@ def test_a_replay_shows_progress_on_a_terminal_only(
     assert "replay" not in ok(piped) + piped.stderr  # a script's stderr stays clean
     # stderr on a terminal: the bar (rich) while replaying, then one line.
     primary, secondary = pty.openpty()
-    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
-    env["PULSAR_ADMIN_URL"] = broker.admin_url
+    env = cli_env(broker)
     try:
         done = subprocess.run(
             [str(COMMAND), "-t", topic, "ls"],
@@ -691,8 +694,7 @@ def test_a_reader_that_goes_away_is_exit_141(broker: Broker, topic: str) -> None
     # `dump | head`: click's own handler exited 1, which means "key absent".
     many = "".join(json.dumps({"key": f"k{i:05d}", "value": i}) + "\n" for i in range(20_000))
     ok(pulsar_state(broker, topic, "load", stdin=many))
-    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
-    env["PULSAR_ADMIN_URL"] = broker.admin_url
+    env = cli_env(broker)
     dump = subprocess.Popen(
         [str(COMMAND), "-t", topic, "dump"],
         env=env,
@@ -723,8 +725,7 @@ def test_a_dump_under_a_c_locale_loads_back_whole(broker: Broker, topic: str, lo
     # UTF-8, and `load` refused the dump.
     ok(pulsar_state(broker, topic, "put", "k", '"caf\\udce9"'))
     ok(pulsar_state(broker, topic, "put", "l", '"caf\u00e9 \u20ac"'))
-    env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
-    env.update(PULSAR_ADMIN_URL=broker.admin_url, LC_ALL=locale, PYTHONUTF8="0")
+    env = cli_env(broker, LC_ALL=locale, PYTHONUTF8="0")
     env.pop("PYTHONIOENCODING", None)
     dumped = subprocess.run(
         [str(COMMAND), "-t", topic, "dump"], env=env, capture_output=True, timeout=120
@@ -770,8 +771,7 @@ def test_status_fails_on_a_broker_error_rather_than_calling_the_topic_unsafe(
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FlakyAdmin)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
-        env["PULSAR_ADMIN_URL"] = f"http://127.0.0.1:{server.server_address[1]}"
+        env = cli_env(broker, PULSAR_ADMIN_URL=f"http://127.0.0.1:{server.server_address[1]}")
         result = subprocess.run(
             [COMMAND, "-t", topic, "status"], env=env, capture_output=True, text=True, timeout=120
         )
@@ -800,8 +800,7 @@ def test_the_timeout_option_bounds_admin_requests_too(broker: Broker, topic: str
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowAdmin)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        env = {**os.environ, "PULSAR_SERVICE_URL": broker.service_url}
-        env["PULSAR_ADMIN_URL"] = f"http://127.0.0.1:{server.server_address[1]}"
+        env = cli_env(broker, PULSAR_ADMIN_URL=f"http://127.0.0.1:{server.server_address[1]}")
         result = subprocess.run(
             [COMMAND, "-t", topic, "--timeout", "30", "-o", "json", "snapshot", "list"],
             env=env,

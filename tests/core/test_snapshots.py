@@ -101,16 +101,23 @@ async def test_automatic_snapshots_by_record_count(
         assert await reader.read(lambda s: s["count"]) == 65
 
 
-async def test_corrupt_newest_snapshot_falls_back_to_older_one(
-    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
-) -> None:
+async def two_snapshots(
+    service_url: str, topic: str, admin_url: str
+) -> tuple[SnapshotManifest, SnapshotManifest, Any]:
+    """Writes, a snapshot, writes, a newer snapshot, writes: (older, newest, final state)."""
     async with counter_manager(service_url, topic, admin_url, **json_state) as writer:
         await write_increments(writer, 10, "a")
         older = await writer.snapshot()
         await write_increments(writer, 10, "b")
         newest = await writer.snapshot()
         await write_increments(writer, 5, "c")
-        expected = await writer.read(lambda s: s, latest=True)
+        return older, newest, await writer.read(lambda s: s, latest=True)
+
+
+async def test_corrupt_newest_snapshot_falls_back_to_older_one(
+    service_url: str, admin_url: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    older, newest, expected = await two_snapshots(service_url, topic, admin_url)
     # A manifest whose digest does not match its chunks, and a damaged index message.
     forged = SnapshotManifest(**{**_fields(newest), "position": 22, "digest": "0" * 64})
     async with raw_producer(service_url, topic + "-snapshot-index") as producer:
@@ -132,13 +139,7 @@ async def test_the_snapshot_at_the_highest_position_is_loaded_not_the_last_writt
     # after a newer one. Before: opening loaded the one written last and replayed more; with
     # trim_history, whose trim point follows the newest positions, it found that one's
     # covered message trimmed and warned of a topic created again (review 45b F5).
-    async with counter_manager(service_url, topic, admin_url, **json_state) as writer:
-        await write_increments(writer, 10, "a")
-        older = await writer.snapshot()
-        await write_increments(writer, 10, "b")
-        newest = await writer.snapshot()
-        await write_increments(writer, 5, "c")
-        expected = await writer.read(lambda s: s, latest=True)
+    older, newest, expected = await two_snapshots(service_url, topic, admin_url)
     late = SnapshotManifest(**{**_fields(older), "writer_id": "lagging", "created_at": 1.0})
     async with raw_producer(service_url, topic + "-snapshot-index") as producer:
         await producer.send(encode_manifest(late), partition_key="late")
