@@ -415,14 +415,17 @@ async def _bounded(work: Awaitable[T], timeout: float | None) -> T:
         return await work
 
 
-async def _trimmed(settings: Settings) -> bool:
+async def _trimmed(settings: Settings, *, create: bool) -> bool:
     """Whether the topic's writers trim its history: its retention is finite (the library
     accepts one only with trim_history). False when that cannot be read (a new topic, a
-    role that may not read policies)."""
+    role that may not read policies). Without ``create``, a topic that does not exist is
+    bad input: opening a map creates its topic, and the library's subscription on it."""
     admin = settings.admin()
     try:
-        path = TopicName.parse(settings.need_topic()).rest_path + "/retention?applied=true"
-        status, retention = await admin.get(path)
+        topic = TopicName.parse(settings.need_topic())
+        if not create and (await admin.get(topic.rest_path + "/stats"))[0] == 404:
+            raise BadInput(f"{topic} does not exist (check -t; only writes create a topic)")
+        status, retention = await admin.get(topic.rest_path + "/retention?applied=true")
     finally:
         await admin.close()
     if status != 200 or not isinstance(retention, dict):
@@ -430,15 +433,20 @@ async def _trimmed(settings: Settings) -> bool:
     return -1 not in (retention.get("retentionTimeInMinutes"), retention.get("retentionSizeInMB"))
 
 
-async def _open_map(settings: Settings) -> PulsarMap[Any, Any]:
+async def _open_map(settings: Settings, *, create: bool = True) -> PulsarMap[Any, Any]:
     """The map, unopened, to open from its newest snapshot: a topic whose writers trim its
     history has no beginning to replay (its first record is built on a deleted one: a forked
     history to a replica that does not fall forward), and a long one opens sooner."""
-    return settings.open_map(snapshots=True, trimmed=await _trimmed(settings))
+    return settings.open_map(snapshots=True, trimmed=await _trimmed(settings, create=create))
 
 
-async def _with_map(settings: Settings, use: Callable[[PulsarMap[Any, Any]], Awaitable[T]]) -> T:
-    async with await _open_map(settings) as state_map:
+async def _with_map(
+    settings: Settings,
+    use: Callable[[PulsarMap[Any, Any]], Awaitable[T]],
+    *,
+    create: bool = True,
+) -> T:
+    async with await _open_map(settings, create=create) as state_map:
         return await use(state_map)
 
 
@@ -554,7 +562,7 @@ def get(settings: Settings, key: str) -> None:
     async def work(state_map: PulsarMap[Any, Any]) -> Any:
         return await state_map.entry(wanted, latest=True)
 
-    entry = _run(settings, lambda: _with_map(settings, work))
+    entry = _run(settings, lambda: _with_map(settings, work, create=False))
     if entry is None:
         _fail(f"key {key!r} is absent", EXIT_ABSENT)
     if settings.json:
@@ -607,7 +615,7 @@ def delete(settings: Settings, key: str, force: bool) -> None:
         deleted = await state_map.delete(wanted, timeout=settings.timeout)
         return deleted, state_map.position
 
-    deleted, position = _run(settings, lambda: _with_map(settings, work))
+    deleted, position = _run(settings, lambda: _with_map(settings, work, create=False))
     if settings.json:
         _emit(_dumps({"key": _to_json(wanted), "deleted": deleted, "position": position}))
     elif deleted:
@@ -638,7 +646,7 @@ def list_keys(settings: Settings, prefix: str | None) -> None:
     async def work(state_map: PulsarMap[Any, Any]) -> list[Any]:
         return [k for k in await state_map.list_keys(latest=True) if _matches(k, start)]
 
-    keys = _run(settings, lambda: _with_map(settings, work))
+    keys = _run(settings, lambda: _with_map(settings, work, create=False))
     if settings.json:
         _emit(_dumps([_to_json(k) for k in keys]))
     else:
@@ -660,7 +668,7 @@ def dump(settings: Settings, prefix: str | None) -> None:
         entries = await state_map.entries(latest=True)
         return [e for e in entries if _matches(e[0], start)], state_map.position
 
-    entries, position = _run(settings, lambda: _with_map(settings, work))
+    entries, position = _run(settings, lambda: _with_map(settings, work, create=False))
     for key, entry in entries:
         _emit(
             _dumps(
@@ -835,7 +843,11 @@ def watch(
     async def work() -> None:
         key = None if one_key is None else _parse_key(one_key, settings.key_codec)
         # --from reads the history (a watch before open); else from the newest snapshot.
-        state_map = settings.open_map() if from_position is not None else await _open_map(settings)
+        state_map = (
+            settings.open_map()
+            if from_position is not None
+            else await _open_map(settings, create=False)
+        )
         try:
             if from_position is not None:
                 # Before open: from the first record its opening replay applies.

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 from pathlib import Path
 from typing import Any
 
@@ -841,4 +842,17 @@ async def test_map_commands_accept_a_message_ttl_on_a_topic_kept_whole(
 
     await set_policy(broker.admin_url, topic, "messageTTL", 60)
     ok(pulsar_state(broker, topic, "put", "k", "1"))
+    assert ok(pulsar_state(broker, topic, "get", "k")) == "1\n"
+
+
+def test_read_commands_do_not_create_a_topic(broker: Broker, topic: str) -> None:
+    # A typo in -t: before, get/ls/dump/del/watch created the topic (with the library's
+    # durable subscription, never acknowledged) and exited 1, "key absent" (review 45f F3).
+    for command in (["get", "k"], ["ls"], ["dump"], ["del", "k"]):
+        one_error_line(pulsar_state(broker, topic, *command), 2, "does not exist")
+    name = topic.split("/")[-1]
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        admin_request(broker.admin_url, "GET", f"/admin/v2/persistent/public/default/{name}/stats")
+    assert missing.value.code == 404
+    ok(pulsar_state(broker, topic, "put", "k", "1"))  # writes create it
     assert ok(pulsar_state(broker, topic, "get", "k")) == "1\n"
