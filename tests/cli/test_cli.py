@@ -53,6 +53,17 @@ def cli_env(broker: Broker, **more: str) -> dict[str, str]:
     return {**env, **more}
 
 
+def started(broker: Broker, topic: str, *args: str) -> subprocess.Popen[str]:
+    """The command running on ``topic``, its stdout and stderr pipes to read."""
+    return subprocess.Popen(
+        [str(COMMAND), "-t", topic, *args],
+        env=cli_env(broker),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def ok(result: subprocess.CompletedProcess[str]) -> str:
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr}"
     return result.stdout
@@ -286,14 +297,7 @@ def test_unreachable_broker_is_one_line_exit_3(broker: Broker, topic: str) -> No
 
 def test_watch_prints_json_lines_and_ends_on_ctrl_c(broker: Broker, topic: str) -> None:
     ok(pulsar_state(broker, topic, "put", "a", "1"))
-    env = cli_env(broker)
-    watcher = subprocess.Popen(
-        [str(COMMAND), "-t", topic, "watch"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    watcher = started(broker, topic, "watch")
     try:
         assert watcher.stdout is not None
         first = json.loads(watcher.stdout.readline())
@@ -314,14 +318,7 @@ def test_watch_prints_json_lines_and_ends_on_ctrl_c(broker: Broker, topic: str) 
 def test_watch_resumes_from_a_position(broker: Broker, topic: str) -> None:
     for args in (("put", "a", "1"), ("put", "b", "2"), ("del", "a"), ("put", "c", "3")):
         ok(pulsar_state(broker, topic, *args))  # positions 1 to 4
-    env = cli_env(broker)
-    watcher = subprocess.Popen(
-        [str(COMMAND), "-t", topic, "watch", "--from", "2"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    watcher = started(broker, topic, "watch", "--from", "2")
     try:
         assert watcher.stdout is not None
         got = [json.loads(watcher.stdout.readline()) for _ in range(2)]
@@ -695,14 +692,7 @@ def test_a_reader_that_goes_away_is_exit_141(broker: Broker, topic: str) -> None
     # `dump | head`: click's own handler exited 1, which means "key absent".
     many = "".join(json.dumps({"key": f"k{i:05d}", "value": i}) + "\n" for i in range(20_000))
     ok(pulsar_state(broker, topic, "load", stdin=many))
-    env = cli_env(broker)
-    dump = subprocess.Popen(
-        [str(COMMAND), "-t", topic, "dump"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    dump = started(broker, topic, "dump")
     assert dump.stdout is not None
     assert dump.stderr is not None
     assert json.loads(dump.stdout.readline())["key"] == "k00000"
